@@ -1,0 +1,39 @@
+# Two entry points, both self-contained on a fresh Debian machine (run as root,
+# or with sudo available for the system packages):
+#   make demo   install everything, then run the main job
+#   make test   install everything, then lint, type-check and run the whole suite
+# `make bootstrap` alone installs: system packages, then a virtualenv in .venv
+# with Slates (its C extension is compiled by cffi during the install).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config gcc libc6-dev git
+
+.PHONY: bootstrap system-packages demo test lint
+
+system-packages:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing system packages: $$missing"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+bootstrap: system-packages $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+
+demo: bootstrap
+	$(BIN)/slates demo
+
+lint: bootstrap
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest -q -p no:cacheprovider

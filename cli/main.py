@@ -1,0 +1,262 @@
+"""The `slates` command: parse arguments, call the library, print the result.
+
+Theory of operation: `main` is a click group; each command calls one
+library function that returns plain data and prints it, as rich tables for
+people or as JSON (`--json`) for programs.  No command computes figures of
+its own.  A slates.errors.SlatesError is printed as
+`error: <code>: <message>` on stderr; the exit code is 2 when the caller is
+at fault (`fault == "caller"`, e.g. InvalidArgument) and 1 otherwise.
+click's own usage errors also exit with 2.
+
+Commands so far: `demo` (the README Quick start's walk through the core,
+slates_cli.demo).  The daemon-backed commands of DESIGN.md section 8 come
+with the daemon.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NoReturn
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from slates.errors import SlatesError
+
+from .demo import DemoResult, run_demo
+
+__all__ = ["main", "demo", "exit_code_for", "format_size", "format_units", "print_demo"]
+
+KIB = 1024
+MIB = 1024 * 1024
+
+
+def exit_code_for(error: SlatesError) -> int:
+    """2 for the caller's faults (bad input), 1 for the environment's or the system's."""
+    return 2 if error.fault == "caller" else 1
+
+
+def _fail(error: SlatesError) -> NoReturn:
+    click.echo(f"error: {error.code}: {error.message}", err=True)
+    raise SystemExit(exit_code_for(error))
+
+
+def format_size(nbytes: int) -> str:
+    """Exact bytes with thousands separators: "1,048,576 B"."""
+    return f"{nbytes:,} B"
+
+
+def format_units(nbytes: int) -> str:
+    """Bytes in the largest binary unit they reach: "1.00 MiB", "4.0 KiB", "21 B"."""
+    if abs(nbytes) >= MIB:
+        return f"{nbytes / MIB:.2f} MiB"
+    if abs(nbytes) >= KIB:
+        return f"{nbytes / KIB:.1f} KiB"
+    return f"{nbytes} B"
+
+
+def _shown(text: str) -> Text:
+    """A value as plain text (no rich markup), newlines shown as \\n."""
+    return Text(text.replace("\n", "\\n"))
+
+
+def _facts(title: str, rows: list[tuple[str, str | Text]]) -> Table:
+    table = Table(title=title, title_justify="left", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("observed", overflow="fold")
+    for what, observed in rows:
+        table.add_row(what, observed if isinstance(observed, Text) else Text(observed))
+    return table
+
+
+def _both(nbytes: int) -> str:
+    return f"{format_size(nbytes)} ({format_units(nbytes)})"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def print_demo(result: DemoResult, console: Console) -> None:
+    sample = result["sample"]
+    files = Table(title="1. Sample project", title_justify="left")
+    files.add_column("path")
+    files.add_column("bytes on disk", justify="right")
+    for path, size in sample["files"].items():
+        files.add_row(path, format_size(size))
+    files.caption = f"written to {sample['path']}" + (
+        "" if sample["kept"] else " (removed afterwards)"
+    )
+    console.print(files)
+
+    overlay = result["overlay"]
+    rename = overlay["rename"]
+    unlink = overlay["unlink"]
+    edit = f"replace [{overlay['edit_start']}, {overlay['edit_end']}) with {overlay['edit_data']}"
+    console.print(
+        _facts(
+            "2. Volume over the live directory",
+            [
+                (
+                    "creating the volume read",
+                    f"{overlay['base_reads_at_create']} base reads, "
+                    f"{format_size(overlay['base_bytes_read_at_create'])}",
+                ),
+                (f"{overlay['edit_path']}", edit),
+                ("the volume reads", _shown(overlay["volume_reads"])),
+                ("the disk still holds", _shown(overlay["disk_holds"])),
+                (
+                    "copy-on-write",
+                    f"read {format_size(overlay['base_bytes_read_by_write'])} from the base, "
+                    f"{format_size(overlay['unique_bytes_after_write'])} unique",
+                ),
+                (
+                    f"rename {rename['old_path']} -> {rename['new_path']}",
+                    f"inode {rename['inode']} keeps base path {rename['inode_base_path']} "
+                    f"(redirect); content copied "
+                    f"{format_size(rename['referenced_bytes_delta'])}, base bytes read "
+                    f"{rename['base_bytes_read']}, metadata "
+                    f"{format_size(rename['metadata_bytes_delta'])}",
+                ),
+                (f"{rename['new_path']} lists", ", ".join(rename["listing"])),
+                (
+                    f"{rename['new_path']}/decoder.rs matches the disk",
+                    _yes(rename["decoder_matches_disk"]),
+                ),
+                (
+                    f"unlink {unlink['path']}",
+                    f"visible in the volume: {_yes(unlink['visible_in_volume'])}; "
+                    f"still on disk: {_yes(unlink['on_disk'])}",
+                ),
+                ("root whiteouts", ", ".join(overlay["root_whiteouts"])),
+                ("the volume's root lists", ", ".join(overlay["root_listing"])),
+                ("the disk's root lists", ", ".join(overlay["disk_listing"])),
+            ],
+        )
+    )
+
+    clones = result["clones"]
+    table = Table(
+        title=f"3. Three clones of snapshot {clones['snapshot_id']}, "
+        f"each changing 2 bytes of /assets/model.bin",
+        title_justify="left",
+    )
+    table.add_column("volume")
+    table.add_column("offset", justify="right")
+    table.add_column("referenced B", justify="right")
+    table.add_column("unique B", justify="right")
+    table.add_column("host physical B", justify="right")
+    for row in clones["clones"]:
+        table.add_row(
+            row["name"],
+            f"{row['offset']:,}",
+            f"{row['referenced_bytes']:,}",
+            f"{row['unique_bytes']:,}",
+            f"{row['host_physical_bytes']:,}",
+        )
+    snap = clones["snapshot_clone"]
+    table.add_row(
+        f"clone of {snap['snapshot_id']}",
+        "",
+        f"{snap['referenced_bytes']:,}",
+        f"{snap['unique_bytes']:,}",
+        f"{snap['host_physical_bytes']:,}",
+    )
+    console.print(table)
+    console.print(
+        _facts(
+            "   Sharing",
+            [
+                ("host physical after capture", _both(clones["host_physical_after_capture"])),
+                (
+                    "after the three clone writes",
+                    f"{_both(clones['host_physical_bytes'])}: chunks "
+                    f"{format_units(clones['host_chunk_bytes'])} + private "
+                    f"{format_units(clones['host_private_bytes'])}",
+                ),
+                ("three full copies would hold", _both(clones["full_copies_bytes"])),
+                (
+                    f"clone of {snap['snapshot_id']}",
+                    f"sees {snap['source']}'s edit: {_yes(snap['sees_source_edit'])}; "
+                    f"{snap['source']} unique after its snapshot: "
+                    f"{format_size(snap['source_unique_after_snapshot'])}",
+                ),
+            ],
+        )
+    )
+
+    bounded = clones["bounded"]
+    console.print(
+        _facts(
+            "   Bounded clone (Capacity.reserved)",
+            [
+                ("quota", format_size(bounded["quota_bytes"])),
+                (
+                    f"write {bounded['small_write_bytes']} bytes",
+                    f"accepted; charged {format_size(bounded['charged_after_small_write'])}",
+                ),
+                (
+                    f"write {format_size(bounded['refused_write_bytes'])} "
+                    f"at {bounded['refused_write_offset']:,}",
+                    f"refused: {bounded['error_code'] or 'NOT REFUSED'}: "
+                    f"{bounded['error_message']}",
+                ),
+                ("content unchanged after the refusal", _yes(bounded["content_unchanged"])),
+                ("charged after the refusal", format_size(bounded["charged_after_refusal"])),
+            ],
+        )
+    )
+
+    seals = Table(title="4. Seal (BLAKE3 chunks)", title_justify="left")
+    seals.add_column("volume")
+    for column in ("files", "chunks new", "shared", "sealed B", "host B before", "after"):
+        seals.add_column(column, justify="right")
+    for seal in result["seal"]:
+        seals.add_row(
+            seal["volume"],
+            str(seal["files"]),
+            str(seal["chunks_new"]),
+            str(seal["chunks_shared"]),
+            f"{seal['bytes_sealed']:,}",
+            f"{seal['host_physical_before']:,}",
+            f"{seal['host_physical_after']:,}",
+        )
+    twins = [
+        f"{s['volume']} is a new clone making {s['same_edit_as']}'s exact edit"
+        for s in result["seal"]
+        if s["same_edit_as"]
+    ]
+    if twins:
+        seals.caption = "; ".join(twins)
+    console.print(seals)
+
+
+@click.group()
+def main() -> None:
+    """Slates: private, in-RAM, copy-on-write workspaces over a shared starting point."""
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON.")
+@click.option(
+    "--keep",
+    metavar="DIR",
+    default=None,
+    help="Write the sample project to DIR (absent or empty) and leave it there.",
+)
+def demo(as_json: bool, keep: str | None) -> None:
+    """Walk through volumes, clones, capacity and sealing on a generated sample project."""
+    try:
+        result = run_demo(keep)
+    except SlatesError as error:
+        _fail(error)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        print_demo(result, Console())
+
+
+if __name__ == "__main__":
+    main(prog_name="slates")

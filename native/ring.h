@@ -1,0 +1,101 @@
+/*
+ * Single-producer/single-consumer message ring in caller-provided shared
+ * memory (a memfd that two processes map).
+ *
+ * Region layout: a RING_HEADER_SIZE header (magic, version, capacity, and
+ * the producer's tail, the consumer's head and the consumer's parked flag,
+ * each on its own cache-line pair), then `capacity` data bytes.  Positions
+ * are monotonic 64-bit byte counters; a position's offset in the data area
+ * is `pos & (capacity - 1)`.
+ *
+ * Framing: [u32 length][payload], padded to 8 bytes.  A frame never straddles
+ * the end of the data area: when it would, the producer writes RING_WRAP in
+ * the length slot and the frame starts again at offset 0.  A frame is at
+ * most capacity / 2 bytes, so any message that fits the limit fits an empty
+ * ring wherever its head happens to be.
+ *
+ * The region is shared with a peer process we do not trust to be correct:
+ * every value read from it is validated before use, and a bad one yields
+ * -EBADMSG instead of an out-of-bounds access.  The ring handle (ring_t)
+ * lives in private memory and holds the validated capacity, so a peer that
+ * rewrites the header after attach cannot widen the bounds.
+ *
+ * Functions return 0 or a non-negative count on success and -errno on
+ * failure.
+ */
+#ifndef SLATES_RING_H
+#define SLATES_RING_H
+
+#include <stdint.h>
+
+#define RING_MAGIC 0x31474e4952534c53ULL /* "SLSRING1" little-endian */
+#define RING_VERSION 1
+#define RING_HEADER_SIZE 512
+#define RING_MIN_CAPACITY 64
+#define RING_MAX_CAPACITY 1073741824 /* 1 GiB: lengths stay well inside int */
+
+typedef struct ring_shared ring_shared_t;
+
+/* Private, per-process view of one ring.  Owned by the caller (Python). */
+typedef struct {
+    ring_shared_t *shared;
+    uint8_t *data;
+    uint64_t capacity;
+    uint64_t mask;
+    uint64_t cached_head; /* producer's lower bound on the consumer's head */
+    uint64_t cached_tail; /* consumer's lower bound on the producer's tail */
+} ring_t;
+
+/* Bytes of shared memory needed for a ring of `capacity` data bytes, or 0
+ * when `capacity` is not a power of two in [RING_MIN_CAPACITY,
+ * RING_MAX_CAPACITY]. */
+uint64_t ring_region_size(uint64_t capacity);
+
+/* Largest payload a ring of this handle accepts. */
+uint32_t ring_max_message(const ring_t *r);
+
+/* Format `mem` (mem_len bytes) as an empty ring of `capacity` data bytes.
+ * -EINVAL: bad capacity or mem_len < ring_region_size(capacity). */
+int ring_init(void *mem, uint64_t mem_len, uint64_t capacity);
+
+/* Validate the header of `mem` and fill `r`.  -EINVAL: mem_len too small
+ * for a header.  -EPROTO: foreign magic or version.  -EBADMSG: header
+ * values inconsistent with each other or with mem_len. */
+int ring_attach(ring_t *r, void *mem, uint64_t mem_len);
+
+/* Producer.  0, -EAGAIN (full: the ring never grows), -EMSGSIZE (len >
+ * ring_max_message), -EBADMSG (the shared indices are corrupt). */
+int ring_push(ring_t *r, const uint8_t *msg, uint32_t len);
+
+/* Consumer.  Payload length copied into `out`, -EAGAIN (empty), -EMSGSIZE
+ * (cap too small; the message stays queued, ring_peek_length tells the size
+ * needed), -EBADMSG (corrupt header, index or frame). */
+int ring_pop(ring_t *r, uint8_t *out, uint32_t cap);
+
+/* Consumer.  Length of the next message without consuming it; same errors
+ * as ring_pop. */
+int ring_peek_length(ring_t *r);
+
+/* Consumer.  Busy-wait up to spin_ns for the ring to become non-empty:
+ * 1 if it did, 0 if the time ran out. */
+int ring_spin_wait(ring_t *r, uint64_t spin_ns);
+
+/* Consumer, before blocking on the eventfd: set the parked flag, then look
+ * at the ring again.  0: still empty, safe to block (the producer will see
+ * the flag).  1: data arrived meanwhile; the flag was cleared, do not block. */
+int ring_prepare_park(ring_t *r);
+
+/* Consumer, after waking (or giving up on) the eventfd. */
+void ring_unpark(ring_t *r);
+
+int ring_is_parked(const ring_t *r);
+
+/* Producer, after ring_push: write the eventfd if the consumer is parked.
+ * 1 if it wrote, 0 if the consumer was not parked, -errno if write failed. */
+int ring_notify(ring_t *r, int eventfd);
+
+/* Reset the eventfd counter.  Returns the counter (0 if it was already 0)
+ * or -errno.  The eventfd must be non-blocking. */
+int64_t ring_drain_eventfd(int eventfd);
+
+#endif

@@ -1,0 +1,174 @@
+"""The host: content-addressed chunk store and the memory budget all volumes share.
+
+Theory of operation: one Host object stands for one machine's Slates RAM.
+It owns the sealed chunks (named by BLAKE3, stored once however many
+volumes and snapshots refer to them) and the accounting that decides
+whether an operation may grow memory use.
+
+Capacity rules (product description, "Memory Limits and Shared Content"):
+- `physical_bytes` is what the host really holds: chunk bytes (deduplicated),
+  private page bytes and metadata of every volume.
+- A bounded volume reserves its whole quota when it is created; the host
+  refuses to create it if the quota does not fit beside other reservations.
+  Inside its quota it may always grow, up to the host's hard capacity.
+- A dynamic volume grows while the host has room outside every bounded
+  volume's unused reservation and outside the host reserve.
+- The reserve (a slice of capacity no new dynamic growth may take) keeps
+  room so work already admitted can finish or be cancelled.
+- Shrinking never needs capacity.
+Refusals raise CapacityExhausted before any effect is published; callers
+ask `admit` first and `charge` after.
+
+Garbage: chunks are shared through persistent structures, so the host does
+not count references; `collect` keeps every chunk reachable from the roots
+it is given and frees the rest (called when a volume or snapshot is
+dropped).  Pure data and arithmetic: no I/O, clock or randomness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import blake3
+
+from slates.errors import CapacityExhausted, InvalidArgument, MissingContent
+
+__all__ = ["Host", "Account", "chunk_id_of", "UNLIMITED"]
+
+UNLIMITED = 1 << 62
+
+
+def chunk_id_of(data: bytes | bytearray) -> bytes:
+    return blake3.blake3(data).digest()
+
+
+class Account(Protocol):
+    """What the host needs to know of a volume to decide admissions."""
+
+    bounded: bool
+    limit: int
+
+    @property
+    def charged_bytes(self) -> int: ...
+
+
+class Host:
+    def __init__(self, capacity: int = UNLIMITED, reserve: int | None = None) -> None:
+        if capacity <= 0:
+            raise InvalidArgument("host capacity must be positive", capacity=capacity)
+        if reserve is None:
+            reserve = min(capacity // 16, 64 << 20)
+        if not 0 <= reserve < capacity:
+            raise InvalidArgument("host reserve must lie in [0, capacity)", reserve=reserve)
+        self.capacity = capacity
+        self.reserve = reserve
+        self._chunks: dict[bytes, bytes] = {}
+        self.chunk_bytes = 0
+        self.private_bytes = 0  # page buffers, metadata and in-flight buffers of all volumes
+        self.snapshot_metadata_bytes = 0  # metadata volumes handed to their snapshots
+        self._accounts: list[Account] = []
+
+    # -- chunks -------------------------------------------------------------
+
+    def put_chunk(self, data: bytes | bytearray) -> tuple[bytes, bool]:
+        """Store `data` under its BLAKE3 id; returns (id, newly stored)."""
+        chunk_id = chunk_id_of(data)
+        if chunk_id in self._chunks:
+            return chunk_id, False
+        self._chunks[chunk_id] = bytes(data)
+        self.chunk_bytes += len(data)
+        return chunk_id, True
+
+    def get_chunk(self, chunk_id: bytes) -> bytes:
+        try:
+            return self._chunks[chunk_id]
+        except KeyError:
+            raise MissingContent("chunk is not stored", chunk=chunk_id.hex()) from None
+
+    def has_chunk(self, chunk_id: bytes) -> bool:
+        return chunk_id in self._chunks
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self._chunks)
+
+    def collect(self, live_chunk_sets: Iterable[Iterable[bytes]]) -> int:
+        """Free every chunk not named by any of the live sets; returns bytes freed."""
+        live: set[bytes] = set()
+        for chunk_ids in live_chunk_sets:
+            live.update(chunk_ids)
+        dead = [cid for cid in self._chunks if cid not in live]
+        freed = 0
+        for cid in dead:
+            freed += len(self._chunks.pop(cid))
+        self.chunk_bytes -= freed
+        return freed
+
+    # -- capacity -----------------------------------------------------------
+
+    @property
+    def physical_bytes(self) -> int:
+        return self.chunk_bytes + self.private_bytes + self.snapshot_metadata_bytes
+
+    def hand_over_metadata(self, nbytes: int) -> None:
+        """A snapshot now holds inodes a volume created: keep counting their metadata.
+
+        Snapshot metadata stays counted until snapshots can be released (an
+        over-count, never an under-count, of what the host holds).
+        """
+        self.charge(-nbytes)
+        self.snapshot_metadata_bytes += nbytes
+
+    def _unused_reservations(self, excluding: Account | None = None) -> int:
+        return sum(
+            max(0, a.limit - a.charged_bytes)
+            for a in self._accounts
+            if a.bounded and a is not excluding
+        )
+
+    def open_account(self, account: Account) -> None:
+        """Register a volume; a bounded one must fit its whole quota now."""
+        if account.bounded:
+            room = self.capacity - self.reserve - self.physical_bytes - self._unused_reservations()
+            if account.limit > room:
+                raise CapacityExhausted(
+                    "the host cannot reserve the requested quota",
+                    requested=account.limit,
+                    available=max(0, room),
+                )
+        self._accounts.append(account)
+
+    def close_account(self, account: Account) -> None:
+        self._accounts = [a for a in self._accounts if a is not account]
+
+    def admit(self, account: Account, nbytes: int) -> None:
+        """Raise CapacityExhausted unless `account` may grow by `nbytes` now."""
+        if nbytes <= 0:
+            return
+        if account.charged_bytes + nbytes > account.limit:
+            raise CapacityExhausted(
+                "the volume's quota is exhausted",
+                requested=nbytes,
+                charged=account.charged_bytes,
+                limit=account.limit,
+            )
+        if account.bounded:
+            ceiling = self.capacity
+            used = self.physical_bytes
+        else:
+            ceiling = self.capacity - self.reserve
+            used = self.physical_bytes + self._unused_reservations()
+        if used + nbytes > ceiling:
+            raise CapacityExhausted(
+                "the host has no room for this operation",
+                requested=nbytes,
+                physical=self.physical_bytes,
+                capacity=self.capacity,
+            )
+
+    def charge(self, nbytes: int) -> None:
+        """Record private bytes allocated (positive) or released (negative)."""
+        self.private_bytes += nbytes
+        if self.private_bytes < 0:
+            raise RuntimeError("host private byte count went negative")

@@ -1,0 +1,373 @@
+"""Records: one frozen dataclass per volume operation, and their msgpack form.
+
+Theory of operation: a volume changes only by applying records
+(`Volume.apply`).  A record is plain data: which inode or name it touches,
+its arguments, and the facts the operation depends on that come from
+outside the volume: the time (`time_ns`), the caller's uid/gid, and, for a
+name found in a live base directory, the base entry as it was observed
+(`BindBase.entry`).  Because those facts travel inside the record, applying
+the same records to the same state gives the same state and results, which
+is what journal replay, replication and merging rely on (DESIGN.md
+section 3).  Nothing here does I/O; `encode`/`decode` turn records into
+msgpack bytes at the edges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import msgpack
+
+from slates.errors import InvalidArgument
+
+__all__ = [
+    "Kind",
+    "Fingerprint",
+    "BaseEntry",
+    "Attr",
+    "DirItem",
+    "Record",
+    "BindBase",
+    "Create",
+    "Mkdir",
+    "Symlink",
+    "Mknod",
+    "Link",
+    "Unlink",
+    "Rmdir",
+    "Rename",
+    "Write",
+    "Truncate",
+    "SetAttr",
+    "SetXattr",
+    "RemoveXattr",
+    "Retain",
+    "Forget",
+    "Seal",
+    "TakeSnapshot",
+    "RENAME_NOREPLACE",
+    "RENAME_EXCHANGE",
+    "XATTR_CREATE",
+    "XATTR_REPLACE",
+    "encode",
+    "decode",
+]
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+XATTR_CREATE = 1
+XATTR_REPLACE = 2
+
+
+class Kind(enum.IntEnum):
+    FILE = 1
+    DIR = 2
+    SYMLINK = 3
+    FIFO = 4
+    SOCKET = 5
+    CHAR_DEVICE = 6
+    BLOCK_DEVICE = 7
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """Identity of a base file's content as observed: if any field differs, it drifted."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BaseEntry:
+    """What a live base directory held at one path when it was looked at."""
+
+    path: str
+    kind: Kind
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    rdev: int
+    fingerprint: Fingerprint
+    target: str = ""  # symlink target
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Attr:
+    """The attributes a stat of an inode reports."""
+
+    ino: int
+    kind: Kind
+    mode: int  # permission bits only (07777)
+    nlink: int
+    uid: int
+    gid: int
+    size: int
+    blocks: int  # 512-byte units of content that is not a hole
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    rdev: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DirItem:
+    name: str
+    kind: Kind
+    ino: int  # 0 while the entry is an unbound name in the base directory
+
+
+class Record:
+    """Base of all records; a record's wire tag is its class name."""
+
+    __slots__ = ()
+
+
+_DATA: dict[str, type[Any]] = {"Fingerprint": Fingerprint, "BaseEntry": BaseEntry, "Attr": Attr}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BindBase(Record):
+    """Give an inode to a name that the base directory holds (first lookup)."""
+
+    parent: int
+    name: str
+    entry: BaseEntry
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Create(Record):
+    parent: int
+    name: str
+    mode: int
+    uid: int
+    gid: int
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mkdir(Record):
+    parent: int
+    name: str
+    mode: int
+    uid: int
+    gid: int
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Symlink(Record):
+    parent: int
+    name: str
+    target: str
+    uid: int
+    gid: int
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mknod(Record):
+    parent: int
+    name: str
+    kind: Kind
+    mode: int
+    rdev: int
+    uid: int
+    gid: int
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Link(Record):
+    ino: int
+    parent: int
+    name: str
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unlink(Record):
+    parent: int
+    name: str
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rmdir(Record):
+    parent: int
+    name: str
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rename(Record):
+    parent: int
+    name: str
+    new_parent: int
+    new_name: str
+    flags: int
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Write(Record):
+    ino: int
+    offset: int
+    data: bytes
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Truncate(Record):
+    ino: int
+    size: int
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SetAttr(Record):
+    ino: int
+    time_ns: int
+    mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    atime_ns: int | None = None
+    mtime_ns: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SetXattr(Record):
+    ino: int
+    name: str
+    value: bytes
+    flags: int
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RemoveXattr(Record):
+    ino: int
+    name: str
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Retain(Record):
+    """An open handle (or a kernel lookup reference) now refers to the inode."""
+
+    ino: int
+    count: int = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Forget(Record):
+    """Drop references taken by Retain; an unlinked inode dies with the last one."""
+
+    ino: int
+    count: int = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Seal(Record):
+    """Turn the volume's mutable pages into immutable BLAKE3-named chunks."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TakeSnapshot(Record):
+    """Seal, then publish the current root as an immutable snapshot."""
+
+    snapshot_id: str
+
+
+_RECORDS: dict[str, type[Record]] = {cls.__name__: cls for cls in Record.__subclasses__()}
+
+_EXT_RECORD = 1
+_EXT_DATA = 2
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, Record):
+        values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
+        return msgpack.ExtType(_EXT_RECORD, _pack([type(obj).__name__, *values]))
+    name = type(obj).__name__
+    if name in _DATA and dataclasses.is_dataclass(obj):
+        values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+        return msgpack.ExtType(_EXT_DATA, _pack([name, *values]))
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def _pack(value: Any) -> bytes:
+    out: bytes = msgpack.packb(value, default=_default, use_bin_type=True)
+    return out
+
+
+def _ext_hook(code: int, payload: bytes) -> Any:
+    fields = _unpack(payload)
+    if not isinstance(fields, tuple) or not fields:
+        raise InvalidArgument("malformed record")
+    table = _RECORDS if code == _EXT_RECORD else _DATA if code == _EXT_DATA else None
+    if table is None or fields[0] not in table:
+        raise InvalidArgument("unknown record type", tag=str(fields[0]), ext=code)
+    cls = table[fields[0]]
+    try:
+        obj = cls(*fields[1:])
+    except TypeError as exc:
+        raise InvalidArgument("malformed record", tag=fields[0], reason=str(exc)) from None
+    _check_types(obj)
+    return obj
+
+
+def _check_types(obj: Any) -> None:
+    # Decoded input is untrusted: each field must have the type its
+    # annotation names, so the state machine never sees a str for an int.
+    for field in dataclasses.fields(obj):
+        value: Any = getattr(obj, field.name)
+        allowed = _ALLOWED[str(field.type)]
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise InvalidArgument(
+                "malformed record field", field=field.name, expected=str(field.type)
+            )
+        if field.type == "Kind":
+            if value not in _KIND_VALUES:
+                raise InvalidArgument("unknown file kind", field=field.name, value=value)
+            object.__setattr__(obj, field.name, Kind(value))
+
+
+_KIND_VALUES = {int(kind) for kind in Kind}
+
+_ALLOWED: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "str": (str,),
+    "bytes": (bytes,),
+    "Kind": (int,),
+    "int | None": (int, type(None)),
+    "Fingerprint": (Fingerprint,),
+    "BaseEntry": (BaseEntry,),
+}
+
+
+def _unpack(payload: bytes) -> Any:
+    return msgpack.unpackb(payload, ext_hook=_ext_hook, use_list=False, raw=False)
+
+
+def encode(record: Record) -> bytes:
+    return _pack(record)
+
+
+def decode(payload: bytes) -> Record:
+    try:
+        value = _unpack(payload)
+    except InvalidArgument:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise InvalidArgument("undecodable record", reason=str(exc)) from None
+    if not isinstance(value, Record):
+        raise InvalidArgument("payload is not a record")
+    return value

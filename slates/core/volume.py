@@ -1,0 +1,1421 @@
+"""The volume: a deterministic state machine over records.
+
+Theory of operation (DESIGN.md sections 3 and 4)
+-------------------------------------------------
+A volume is an immutable `Root` (a persistent map of inodes, built on
+immutables.Map for structural sharing) plus the few things a live volume
+owns privately: mutable page buffers, open-handle counts, and counters.
+`Volume.apply(record)` is the only way anything changes, and it is a
+`match` over the record types: anything else is InvalidArgument.
+
+Each apply works on a transaction (`_Txn`): it validates and stages every
+inode change on a map mutation, asks the host for capacity, and only then
+publishes the new root, writes page bytes and updates counters.  A record
+that fails (bad input, no capacity, base drift) therefore leaves no effect.
+
+Names and the base.  A directory inode holds its private entries (names
+bound to inodes), whiteouts (base names hidden by an unlink or rename) and,
+when it merges a base directory, that directory's base path.  A renamed
+base directory keeps its original base path: that is the redirect, and
+nothing under it is copied.  A base name gets an inode the first time it is
+looked up (the `BindBase` record carries the base entry as observed), so
+its inode number is stable from then on and its fingerprint is pinned;
+merely looking at a file copies none of its content.
+
+Records assume the names they touch are settled: a name the base directory
+holds has been bound first, and a directory being removed has no visible
+base entries.  The operation methods (`create`, `unlink`, `rename`, ...)
+settle names by consulting the injected base reader and then apply the
+record, so a stream of records replays without the base.  Reading base
+content (`read`, and filling the edges of a page on copy-on-write) goes
+through the reader with the pinned fingerprint; a changed base file raises
+BaseDrift for that content only.
+
+Content is an extent map (slates.core.extents).  A write into shared
+content copies only the touched page-multiple range into a private page
+buffer; later writes into that range update the buffer in place.  `Seal`
+turns page buffers into immutable BLAKE3-named chunks in the host store.
+`TakeSnapshot` seals and publishes the root; `Volume.clone` starts a new
+volume from a snapshot's root in O(1).
+
+No I/O, clock, threads or randomness here: time, uids and base facts come
+in records, base bytes through the injected reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import posixpath
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import immutables
+
+from slates.core.extents import (
+    BaseSpan,
+    ChunkSpan,
+    Extent,
+    PageSpan,
+    allocated_length,
+    overlapping,
+    page_ceil,
+    page_floor,
+    splice,
+    stored_length,
+    trim,
+    uncovered,
+)
+from slates.core.host import UNLIMITED, Host
+from slates.core.records import (
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    XATTR_CREATE,
+    XATTR_REPLACE,
+    Attr,
+    BaseEntry,
+    BindBase,
+    Create,
+    DirItem,
+    Fingerprint,
+    Forget,
+    Kind,
+    Link,
+    Mkdir,
+    Mknod,
+    Record,
+    RemoveXattr,
+    Rename,
+    Retain,
+    Rmdir,
+    Seal,
+    SetAttr,
+    SetXattr,
+    Symlink,
+    TakeSnapshot,
+    Truncate,
+    Unlink,
+    Write,
+)
+from slates.errors import (
+    AlreadyExists,
+    BaseDrift,
+    DirectoryNotEmpty,
+    FileTooLarge,
+    InvalidArgument,
+    IsADirectory,
+    NameTooLong,
+    NoSuchAttribute,
+    NotADirectory,
+    NotFound,
+    NotPermitted,
+)
+
+__all__ = [
+    "ROOT_INO",
+    "CHUNK_SIZE",
+    "INODE_COST",
+    "MAX_FILE_SIZE",
+    "BaseReader",
+    "Capacity",
+    "Counters",
+    "DirInfo",
+    "SealReport",
+    "Snapshot",
+    "Root",
+    "Inode",
+    "FileBody",
+    "DirBody",
+    "SymlinkBody",
+    "DeviceBody",
+    "Entry",
+    "Volume",
+    "chunk_ids",
+]
+
+ROOT_INO = 1
+CHUNK_SIZE = 64 * 1024
+INODE_COST = 512  # metadata bytes charged per inode a volume creates
+MAX_NAME_BYTES = 255
+MAX_SYMLINK_BYTES = 4095
+MAX_XATTR_NAME = 255
+MAX_XATTR_VALUE = 64 * 1024
+MAX_FILE_SIZE = 1 << 43
+
+
+class BaseReader(Protocol):
+    """Read access to a live base directory (slates.base provides one)."""
+
+    def stat(self, path: str) -> BaseEntry | None: ...
+
+    def list(self, path: str) -> list[tuple[str, Kind]]: ...
+
+    def read(self, path: str, fingerprint: Fingerprint, offset: int, size: int) -> bytes: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    name: str  # as created (the key may be case-folded)
+    ino: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FileBody:
+    size: int
+    extents: tuple[Extent, ...]
+    base_path: str | None  # where BaseSpan bytes come from
+    fingerprint: Fingerprint | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DirBody:
+    parent: int
+    entries: immutables.Map[str, Entry]
+    whiteouts: frozenset[str]
+    base_path: str | None  # the base directory merged here (a redirect once renamed)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SymlinkBody:
+    target: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceBody:
+    rdev: int
+
+
+Body = FileBody | DirBody | SymlinkBody | DeviceBody
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Inode:
+    ino: int
+    kind: Kind
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    xattrs: immutables.Map[str, bytes]
+    body: Body
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Root:
+    inodes: immutables.Map[int, Inode]
+    next_ino: int
+    base_identities: immutables.Map[tuple[int, int], int]  # (device, inode) -> ino
+    referenced_bytes: int
+    case_insensitive: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Snapshot:
+    snapshot_id: str
+    root: Root
+    base: BaseReader | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capacity:
+    bounded: bool
+    limit: int
+
+    @classmethod
+    def reserved(cls, size: int) -> Capacity:
+        if size <= 0:
+            raise InvalidArgument("a bounded size must be positive", size=size)
+        return cls(True, size)
+
+    @classmethod
+    def dynamic(cls, maximum: int = UNLIMITED) -> Capacity:
+        if maximum <= 0:
+            raise InvalidArgument("a dynamic maximum must be positive", maximum=maximum)
+        return cls(False, maximum)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DirInfo:
+    """How a directory is composed: the base directory it merges, and hidden base names.
+
+    `base_path` differs from the directory's own path after a rename: that
+    is the redirect.  None means the directory is private (or opaque).
+    """
+
+    base_path: str | None
+    whiteouts: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Counters:
+    """A volume's counters (product description, "Memory Limits and Shared Content").
+
+    referenced_bytes: file content Slates holds that the volume can read
+      (sealed chunks and private pages, each file's bytes counted once
+      however many volumes share them).  Bytes still read through from a
+      live base directory are not counted: counting them would need the
+      scan that creating a volume must not do.
+    unique_bytes: content created since the clone origin or latest
+      snapshot, in whole private pages until sealed.
+    """
+
+    referenced_bytes: int
+    unique_bytes: int
+    metadata_bytes: int
+    inflight_bytes: int
+    charged_bytes: int  # what counts against the quota
+    limit_bytes: int
+    bounded: bool
+    host_physical_bytes: int  # what the host holds, shared chunks once
+    host_capacity_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SealReport:
+    files: int
+    chunks_new: int
+    chunks_shared: int
+    bytes_sealed: int
+
+
+def chunk_ids(root: Root) -> Iterator[bytes]:
+    """Every chunk a root refers to (for the host's garbage collection)."""
+    for inode in root.inodes.values():
+        if isinstance(inode.body, FileBody):
+            for extent in inode.body.extents:
+                if isinstance(extent, ChunkSpan):
+                    yield extent.chunk_id
+
+
+_EMPTY_ENTRIES: immutables.Map[str, Entry] = immutables.Map()
+_EMPTY_XATTRS: immutables.Map[str, bytes] = immutables.Map()
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise InvalidArgument("invalid file name", name=str(name))
+    if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
+        raise NameTooLong("file name is too long", name=name[:64])
+
+
+def _check_count(value: int, what: str) -> None:
+    if not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"{what} must be a non-negative integer", value=value)
+
+
+class _Inodes(Protocol):
+    def __getitem__(self, ino: int, /) -> Inode: ...
+
+
+class _Txn:
+    """Staged inode changes; `before` keeps each touched inode's original."""
+
+    __slots__ = ("base_ids", "before", "inodes", "next_ino")
+
+    def __init__(self, root: Root) -> None:
+        self.inodes = root.inodes.mutate()
+        self.base_ids = root.base_identities.mutate()
+        self.next_ino = root.next_ino
+        self.before: dict[int, Inode | None] = {}
+
+    def get(self, ino: int) -> Inode:
+        inode = self.inodes.get(ino)
+        if inode is None:
+            raise NotFound("no such inode", ino=ino)
+        return inode
+
+    def dir(self, ino: int) -> Inode:
+        inode = self.get(ino)
+        if not isinstance(inode.body, DirBody):
+            raise NotADirectory("not a directory", ino=ino)
+        return inode
+
+    def file(self, ino: int) -> Inode:
+        inode = self.get(ino)
+        if isinstance(inode.body, DirBody):
+            raise IsADirectory("is a directory", ino=ino)
+        if not isinstance(inode.body, FileBody):
+            raise InvalidArgument("not a regular file", ino=ino)
+        return inode
+
+    def put(self, inode: Inode) -> None:
+        if inode.ino not in self.before:
+            self.before[inode.ino] = self.inodes.get(inode.ino)
+        self.inodes[inode.ino] = inode
+
+    def drop(self, ino: int) -> None:
+        if ino not in self.before:
+            self.before[ino] = self.inodes.get(ino)
+        del self.inodes[ino]
+
+    def new_ino(self) -> int:
+        ino = self.next_ino
+        self.next_ino += 1
+        return ino
+
+
+def _page_bytes(inode: Inode | None) -> int:
+    if inode is None or not isinstance(inode.body, FileBody):
+        return 0
+    return sum(e.length for e in inode.body.extents if isinstance(e, PageSpan))
+
+
+def _buffer_ids(inode: Inode | None) -> set[int]:
+    if inode is None or not isinstance(inode.body, FileBody):
+        return set()
+    return {e.buffer_id for e in inode.body.extents if isinstance(e, PageSpan)}
+
+
+def _referenced(inode: Inode | None) -> int:
+    if inode is None or not isinstance(inode.body, FileBody):
+        return 0
+    return stored_length(inode.body.extents, inode.body.size)
+
+
+class Volume:
+    """One volume's live state; change it only through `apply` or the operation methods."""
+
+    def __init__(
+        self,
+        host: Host,
+        root: Root,
+        *,
+        base: BaseReader | None = None,
+        capacity: Capacity | None = None,
+    ) -> None:
+        capacity = capacity or Capacity.dynamic()
+        self.host = host
+        self.base = base
+        self.root = root
+        self.bounded = capacity.bounded
+        self.limit = capacity.limit
+        self.unique_bytes = 0
+        self.inflight_bytes = 0
+        self._own_mark = root.next_ino  # inodes numbered from here were created here
+        self._own_inodes = 0
+        self._own_chunks: set[bytes] = set()
+        self._buffers: dict[int, bytearray] = {}
+        self._next_buffer = 1
+        self._handles: dict[int, int] = {}
+        self._dirty: set[int] = set()
+        self._closed = False
+        # Called after every applied record with its result: the journal's seam.
+        self.on_applied: Callable[[Record, object], None] | None = None
+        host.open_account(self)
+
+    # -- construction ---------------------------------------------------------
+
+    @classmethod
+    def new(
+        cls,
+        host: Host,
+        *,
+        base: BaseReader | None = None,
+        capacity: Capacity | None = None,
+        case_insensitive: bool = False,
+        mode: int = 0o755,
+        uid: int = 0,
+        gid: int = 0,
+        time_ns: int = 0,
+    ) -> Volume:
+        """A new volume: empty, or over a live base directory (read on demand)."""
+        base_path = None
+        if base is not None:
+            top = base.stat("/")
+            if top is None or top.kind != Kind.DIR:
+                raise InvalidArgument("the base must be a directory")
+            mode, uid, gid = top.mode, top.uid, top.gid
+            base_path = "/"
+        root_dir = Inode(
+            ROOT_INO,
+            Kind.DIR,
+            mode & 0o7777,
+            uid,
+            gid,
+            2,
+            time_ns,
+            time_ns,
+            time_ns,
+            _EMPTY_XATTRS,
+            DirBody(ROOT_INO, _EMPTY_ENTRIES, frozenset(), base_path),
+        )
+        root = Root(
+            immutables.Map({ROOT_INO: root_dir}),
+            ROOT_INO + 1,
+            immutables.Map(),
+            0,
+            case_insensitive,
+        )
+        return cls(host, root, base=base, capacity=capacity)
+
+    @classmethod
+    def clone(cls, snapshot: Snapshot, host: Host, capacity: Capacity | None = None) -> Volume:
+        """A new volume whose root is the snapshot's root: O(1), nothing copied."""
+        return cls(host, snapshot.root, base=snapshot.base, capacity=capacity)
+
+    def close(self) -> None:
+        """Release this volume's pages, metadata charge and quota reservation."""
+        if self._closed:
+            return
+        self._closed = True
+        freed = sum(len(b) for b in self._buffers.values())
+        self._buffers.clear()
+        self.host.charge(-(freed + self.metadata_bytes + self.inflight_bytes))
+        self.inflight_bytes = 0
+        self._own_inodes = 0
+        self.host.close_account(self)
+
+    # -- accounting -----------------------------------------------------------
+
+    @property
+    def metadata_bytes(self) -> int:
+        return self._own_inodes * INODE_COST
+
+    @property
+    def charged_bytes(self) -> int:
+        return self.unique_bytes + self.metadata_bytes + self.inflight_bytes
+
+    def counters(self) -> Counters:
+        return Counters(
+            referenced_bytes=self.root.referenced_bytes,
+            unique_bytes=self.unique_bytes,
+            metadata_bytes=self.metadata_bytes,
+            inflight_bytes=self.inflight_bytes,
+            charged_bytes=self.charged_bytes,
+            limit_bytes=self.limit,
+            bounded=self.bounded,
+            host_physical_bytes=self.host.physical_bytes,
+            host_capacity_bytes=self.host.capacity,
+        )
+
+    def admit_inflight(self, nbytes: int) -> None:
+        """Hold buffer space for a request still being received (released after apply)."""
+        _check_count(nbytes, "in-flight size")
+        self._require_open()
+        self.host.admit(self, nbytes)
+        self.inflight_bytes += nbytes
+        self.host.charge(nbytes)
+
+    def release_inflight(self, nbytes: int) -> None:
+        _check_count(nbytes, "in-flight size")
+        if nbytes > self.inflight_bytes:
+            raise InvalidArgument("releasing more in-flight bytes than were admitted")
+        self.inflight_bytes -= nbytes
+        self.host.charge(-nbytes)
+
+    def _unique(self, inode: Inode | None) -> int:
+        if inode is None or not isinstance(inode.body, FileBody):
+            return 0
+        total = 0
+        for extent in inode.body.extents:
+            if isinstance(extent, PageSpan) or (
+                isinstance(extent, ChunkSpan) and extent.chunk_id in self._own_chunks
+            ):
+                total += extent.length
+        return total
+
+    # -- the state machine ----------------------------------------------------
+
+    def apply(self, record: Record) -> object:
+        """Apply one record; returns its result or raises with no effect."""
+        self._require_open()
+        txn = _Txn(self.root)
+        match record:
+            case BindBase():
+                result: object = self._bind_base(txn, record)
+            case Create():
+                result = self._add_node(
+                    txn,
+                    record.parent,
+                    record.name,
+                    Kind.FILE,
+                    record.mode,
+                    record.uid,
+                    record.gid,
+                    record.time_ns,
+                    FileBody(0, (), None, None),
+                )
+            case Mkdir():
+                result = self._add_node(
+                    txn,
+                    record.parent,
+                    record.name,
+                    Kind.DIR,
+                    record.mode,
+                    record.uid,
+                    record.gid,
+                    record.time_ns,
+                    DirBody(record.parent, _EMPTY_ENTRIES, frozenset(), None),
+                )
+            case Symlink():
+                self._check_symlink(record.target)
+                result = self._add_node(
+                    txn,
+                    record.parent,
+                    record.name,
+                    Kind.SYMLINK,
+                    0o777,
+                    record.uid,
+                    record.gid,
+                    record.time_ns,
+                    SymlinkBody(record.target),
+                )
+            case Mknod():
+                if record.kind not in (Kind.FIFO, Kind.SOCKET, Kind.CHAR_DEVICE, Kind.BLOCK_DEVICE):
+                    raise InvalidArgument("mknod makes fifos, sockets and devices only")
+                _check_count(record.rdev, "rdev")
+                result = self._add_node(
+                    txn,
+                    record.parent,
+                    record.name,
+                    record.kind,
+                    record.mode,
+                    record.uid,
+                    record.gid,
+                    record.time_ns,
+                    DeviceBody(record.rdev),
+                )
+            case Link():
+                result = self._link(txn, record)
+            case Unlink():
+                result = None
+                self._remove(txn, record.parent, record.name, record.time_ns, False)
+            case Rmdir():
+                result = None
+                self._remove(txn, record.parent, record.name, record.time_ns, True)
+            case Rename():
+                result = None
+                self._rename(txn, record)
+            case Write():
+                result = self._write(txn, record)
+            case Truncate():
+                result = None
+                self._truncate(txn, record)
+            case SetAttr():
+                result = self._setattr(txn, record)
+            case SetXattr():
+                result = None
+                self._setxattr(txn, record)
+            case RemoveXattr():
+                result = None
+                self._removexattr(txn, record)
+            case Retain():
+                result = None
+                self._retain(txn, record)
+            case Forget():
+                result = None
+                self._forget(txn, record)
+            case Seal():
+                result = self._seal()
+            case TakeSnapshot():
+                result = self._snapshot(record)
+            case _:
+                raise InvalidArgument("unknown record", record=type(record).__name__)
+        if txn.before:
+            self._commit(txn)
+        if self.on_applied is not None:
+            self.on_applied(record, result)
+        return result
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument("the volume is closed")
+
+    def _key(self, name: str) -> str:
+        return name.casefold() if self.root.case_insensitive else name
+
+    def _commit(self, txn: _Txn) -> None:
+        """Publish staged changes and update every counter from (before, after) pairs."""
+        referenced = self.root.referenced_bytes
+        unique = self.unique_bytes
+        page_delta = 0
+        own_delta = 0
+        dead_buffers: set[int] = set()
+        for ino, old in txn.before.items():
+            new = txn.inodes.get(ino)
+            referenced += _referenced(new) - _referenced(old)
+            unique += self._unique(new) - self._unique(old)
+            page_delta += _page_bytes(new) - _page_bytes(old)
+            dead_buffers |= _buffer_ids(old) - _buffer_ids(new)
+            if ino >= self._own_mark:
+                own_delta += (new is not None) - (old is not None)
+            if new is not None and _buffer_ids(new):
+                self._dirty.add(ino)
+            else:
+                self._dirty.discard(ino)
+            if new is None:
+                self._handles.pop(ino, None)
+        for buffer_id in dead_buffers:
+            del self._buffers[buffer_id]
+        self.root = Root(
+            txn.inodes.finish(),
+            txn.next_ino,
+            txn.base_ids.finish(),
+            referenced,
+            self.root.case_insensitive,
+        )
+        self.unique_bytes = unique
+        self._own_inodes += own_delta
+        self.host.charge(page_delta + own_delta * INODE_COST)
+
+    def _new_inode(
+        self, txn: _Txn, kind: Kind, mode: int, uid: int, gid: int, time_ns: int, body: Body
+    ) -> Inode:
+        nlink = 2 if kind == Kind.DIR else 1
+        return Inode(
+            txn.new_ino(),
+            kind,
+            mode & 0o7777,
+            uid,
+            gid,
+            nlink,
+            time_ns,
+            time_ns,
+            time_ns,
+            _EMPTY_XATTRS,
+            body,
+        )
+
+    @staticmethod
+    def _touch_dir(txn: _Txn, ino: int, time_ns: int, nlink_delta: int = 0) -> None:
+        d = txn.dir(ino)
+        txn.put(
+            dataclasses.replace(d, mtime_ns=time_ns, ctime_ns=time_ns, nlink=d.nlink + nlink_delta)
+        )
+
+    @staticmethod
+    def _set_entry(
+        txn: _Txn, parent: int, key: str, entry: Entry | None, whiteout: bool = False
+    ) -> None:
+        d = txn.dir(parent)
+        assert isinstance(d.body, DirBody)
+        entries = d.body.entries.set(key, entry) if entry else d.body.entries.delete(key)
+        whiteouts = d.body.whiteouts | {key} if whiteout else d.body.whiteouts
+        txn.put(
+            dataclasses.replace(
+                d, body=dataclasses.replace(d.body, entries=entries, whiteouts=whiteouts)
+            )
+        )
+
+    def _entry(self, txn: _Txn, parent: int, name: str) -> tuple[str, Entry]:
+        _check_name(name)
+        d = txn.dir(parent)
+        assert isinstance(d.body, DirBody)
+        key = self._key(name)
+        entry = d.body.entries.get(key)
+        if entry is None:
+            raise NotFound("no such file or directory", name=name)
+        return key, entry
+
+    def _free_key(self, txn: _Txn, parent: int, name: str) -> str:
+        _check_name(name)
+        d = txn.dir(parent)
+        assert isinstance(d.body, DirBody)
+        if d.nlink == 0:
+            raise NotFound("the directory was removed", ino=parent)
+        key = self._key(name)
+        if key in d.body.entries:
+            raise AlreadyExists("file exists", name=name)
+        return key
+
+    def _bind_base(self, txn: _Txn, r: BindBase) -> int:
+        key = self._free_key(txn, r.parent, r.name)
+        d = txn.dir(r.parent)
+        assert isinstance(d.body, DirBody)
+        if d.body.base_path is None or key in d.body.whiteouts:
+            raise InvalidArgument("the directory shows no base entry by that name", name=r.name)
+        e = r.entry
+        identity = (e.fingerprint.device, e.fingerprint.inode)
+        existing = txn.base_ids.get(identity)
+        if e.kind == Kind.FILE and existing is not None and existing in txn.inodes:
+            inode = txn.get(existing)  # another base name of the same file: a hard link
+            txn.put(dataclasses.replace(inode, nlink=inode.nlink + 1))
+        else:
+            self.host.admit(self, INODE_COST)
+            body: Body
+            match e.kind:
+                case Kind.FILE:
+                    spans: tuple[Extent, ...] = (BaseSpan(0, e.size, 0),) if e.size else ()
+                    body = FileBody(e.size, spans, e.path, e.fingerprint)
+                case Kind.DIR:
+                    body = DirBody(r.parent, _EMPTY_ENTRIES, frozenset(), e.path)
+                case Kind.SYMLINK:
+                    body = SymlinkBody(e.target)
+                case _:
+                    body = DeviceBody(e.rdev)
+            inode = Inode(
+                txn.new_ino(),
+                e.kind,
+                e.mode & 0o7777,
+                e.uid,
+                e.gid,
+                2 if e.kind == Kind.DIR else 1,
+                e.atime_ns,
+                e.mtime_ns,
+                e.ctime_ns,
+                _EMPTY_XATTRS,
+                body,
+            )
+            txn.put(inode)
+            if e.kind == Kind.FILE:
+                txn.base_ids[identity] = inode.ino
+        self._set_entry(txn, r.parent, key, Entry(r.name, inode.ino))
+        if e.kind == Kind.DIR:  # nlink counts bound subdirectories, so removing one balances
+            parent = txn.get(r.parent)
+            txn.put(dataclasses.replace(parent, nlink=parent.nlink + 1))
+        return inode.ino
+
+    def _add_node(
+        self,
+        txn: _Txn,
+        parent: int,
+        name: str,
+        kind: Kind,
+        mode: int,
+        uid: int,
+        gid: int,
+        time_ns: int,
+        body: Body,
+    ) -> Attr:
+        key = self._free_key(txn, parent, name)
+        self.host.admit(self, INODE_COST)
+        inode = self._new_inode(txn, kind, mode, uid, gid, time_ns, body)
+        txn.put(inode)
+        self._set_entry(txn, parent, key, Entry(name, inode.ino))
+        self._touch_dir(txn, parent, time_ns, 1 if kind == Kind.DIR else 0)
+        return self._attr(inode)
+
+    def _check_symlink(self, target: str) -> None:
+        if not target or "\0" in target:
+            raise InvalidArgument("invalid symlink target")
+        if len(target.encode("utf-8", "surrogateescape")) > MAX_SYMLINK_BYTES:
+            raise NameTooLong("symlink target is too long")
+
+    def _link(self, txn: _Txn, r: Link) -> Attr:
+        inode = txn.get(r.ino)
+        if inode.kind == Kind.DIR:
+            raise NotPermitted("cannot hard-link a directory", ino=r.ino)
+        if inode.nlink == 0:
+            raise NotFound("cannot link an unlinked inode", ino=r.ino)
+        key = self._free_key(txn, r.parent, r.name)
+        inode = dataclasses.replace(inode, nlink=inode.nlink + 1, ctime_ns=r.time_ns)
+        txn.put(inode)
+        self._set_entry(txn, r.parent, key, Entry(r.name, r.ino))
+        self._touch_dir(txn, r.parent, r.time_ns)
+        return self._attr(inode)
+
+    def _unref(self, txn: _Txn, ino: int, time_ns: int) -> None:
+        """One name less for `ino`; the inode dies when no name or handle remains."""
+        inode = txn.get(ino)
+        nlink = 0 if inode.kind == Kind.DIR else inode.nlink - 1
+        if nlink == 0 and self._handles.get(ino, 0) == 0:
+            self._destroy(txn, inode)
+        else:
+            txn.put(dataclasses.replace(inode, nlink=nlink, ctime_ns=time_ns))
+
+    def _destroy(self, txn: _Txn, inode: Inode) -> None:
+        txn.drop(inode.ino)
+        if isinstance(inode.body, FileBody) and inode.body.fingerprint is not None:
+            identity = (inode.body.fingerprint.device, inode.body.fingerprint.inode)
+            if txn.base_ids.get(identity) == inode.ino:
+                del txn.base_ids[identity]
+
+    def _remove(self, txn: _Txn, parent: int, name: str, time_ns: int, is_dir: bool) -> None:
+        key, entry = self._entry(txn, parent, name)
+        target = txn.get(entry.ino)
+        if is_dir:
+            if not isinstance(target.body, DirBody):
+                raise NotADirectory("not a directory", name=name)
+            if target.body.entries:
+                raise DirectoryNotEmpty("directory not empty", name=name)
+        elif target.kind == Kind.DIR:
+            raise IsADirectory("is a directory", name=name)
+        d = txn.dir(parent)
+        assert isinstance(d.body, DirBody)
+        self._set_entry(txn, parent, key, None, whiteout=d.body.base_path is not None)
+        self._touch_dir(txn, parent, time_ns, -1 if is_dir else 0)
+        self._unref(txn, entry.ino, time_ns)
+
+    @staticmethod
+    def _is_within(inodes: _Inodes, ino: int, ancestor: int) -> bool:
+        """Whether directory `ino` is `ancestor` or lies beneath it."""
+        while ino != ancestor:
+            if ino == ROOT_INO:
+                return False
+            body = inodes[ino].body
+            if not isinstance(body, DirBody):
+                raise NotADirectory("not a directory", ino=ino)
+            ino = body.parent
+        return True
+
+    def _rename(self, txn: _Txn, r: Rename) -> None:
+        if r.flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or r.flags == (
+            RENAME_NOREPLACE | RENAME_EXCHANGE
+        ):
+            raise InvalidArgument("invalid rename flags", flags=r.flags)
+        key, entry = self._entry(txn, r.parent, r.name)
+        _check_name(r.new_name)
+        dst = txn.dir(r.new_parent)
+        assert isinstance(dst.body, DirBody)
+        if dst.nlink == 0:
+            raise NotFound("the target directory was removed", ino=r.new_parent)
+        new_key = self._key(r.new_name)
+        existing = dst.body.entries.get(new_key)
+        exchange = bool(r.flags & RENAME_EXCHANGE)
+        if exchange and existing is None:
+            raise NotFound("nothing to exchange with", name=r.new_name)
+        if existing is not None and existing.ino == entry.ino:
+            if r.parent == r.new_parent and key == new_key and entry.name != r.new_name:
+                self._set_entry(txn, r.parent, key, Entry(r.new_name, entry.ino))
+                self._touch_dir(txn, r.parent, r.time_ns)
+            elif r.flags & RENAME_NOREPLACE:
+                raise AlreadyExists("file exists", name=r.new_name)
+            return  # POSIX: renaming a name onto another link of the same file does nothing
+        if existing is not None and r.flags & RENAME_NOREPLACE:
+            raise AlreadyExists("file exists", name=r.new_name)
+        moved = txn.get(entry.ino)
+        if moved.kind == Kind.DIR and self._is_within(txn.inodes, r.new_parent, moved.ino):
+            raise InvalidArgument("cannot move a directory inside itself", name=r.name)
+        replaced = txn.get(existing.ino) if existing is not None else None
+        if (
+            exchange
+            and replaced is not None
+            and replaced.kind == Kind.DIR
+            and self._is_within(txn.inodes, r.parent, replaced.ino)
+        ):
+            raise InvalidArgument("cannot move a directory inside itself", name=r.new_name)
+        if replaced is not None and not exchange:
+            if moved.kind == Kind.DIR:
+                if not isinstance(replaced.body, DirBody):
+                    raise NotADirectory("not a directory", name=r.new_name)
+                if replaced.body.entries:
+                    raise DirectoryNotEmpty("directory not empty", name=r.new_name)
+            elif replaced.kind == Kind.DIR:
+                raise IsADirectory("is a directory", name=r.new_name)
+        src_dir = txn.dir(r.parent)
+        assert isinstance(src_dir.body, DirBody)
+        moved_dirs = (moved.kind == Kind.DIR) - (
+            exchange and replaced is not None and replaced.kind == Kind.DIR
+        )
+        if exchange:
+            assert existing is not None
+            self._set_entry(txn, r.parent, key, Entry(r.name, existing.ino))
+        else:
+            self._set_entry(txn, r.parent, key, None, whiteout=src_dir.body.base_path is not None)
+        self._set_entry(txn, r.new_parent, new_key, Entry(r.new_name, entry.ino))
+        if r.parent != r.new_parent:
+            self._touch_dir(txn, r.parent, r.time_ns, -moved_dirs)
+            self._touch_dir(txn, r.new_parent, r.time_ns, moved_dirs)
+        else:
+            self._touch_dir(txn, r.parent, r.time_ns)
+        self._reparent(txn, entry.ino, r.new_parent, r.time_ns)
+        if replaced is not None:
+            if exchange:
+                self._reparent(txn, replaced.ino, r.parent, r.time_ns)
+            else:
+                if replaced.kind == Kind.DIR:
+                    self._touch_dir(txn, r.new_parent, r.time_ns, -1)
+                self._unref(txn, replaced.ino, r.time_ns)
+
+    @staticmethod
+    def _reparent(txn: _Txn, ino: int, parent: int, time_ns: int) -> None:
+        inode = txn.get(ino)
+        body = inode.body
+        if isinstance(body, DirBody):
+            body = dataclasses.replace(body, parent=parent)
+        txn.put(dataclasses.replace(inode, body=body, ctime_ns=time_ns))
+
+    # -- content --------------------------------------------------------------
+
+    def _read_extents(self, inode: Inode, start: int, end: int) -> bytes:
+        """Bytes [start, end) as the extents describe them (holes and tails read as zeros)."""
+        body = inode.body
+        assert isinstance(body, FileBody)
+        out = bytearray(end - start)
+        for extent in overlapping(body.extents, start, end):
+            lo = max(extent.start, start)
+            hi = min(extent.start + extent.length, end)
+            skip = lo - extent.start
+            if isinstance(extent, PageSpan):
+                piece: bytes | bytearray = self._buffers[extent.buffer_id][skip : skip + hi - lo]
+            elif isinstance(extent, ChunkSpan):
+                chunk = self.host.get_chunk(extent.chunk_id)
+                piece = chunk[extent.chunk_offset + skip : extent.chunk_offset + skip + hi - lo]
+            else:
+                piece = self._read_base(body, extent.base_offset + skip, hi - lo)
+            out[lo - start : hi - start] = piece
+        return bytes(out)
+
+    def _read_base(self, body: FileBody, offset: int, size: int) -> bytes:
+        if self.base is None or body.base_path is None or body.fingerprint is None:
+            raise InvalidArgument("base content without a base reader")
+        data = self.base.read(body.base_path, body.fingerprint, offset, size)
+        if len(data) != size:
+            raise BaseDrift("base file is shorter than when it was read", path=body.base_path)
+        return data
+
+    def _write(self, txn: _Txn, r: Write) -> int:
+        inode = txn.file(r.ino)
+        body = inode.body
+        assert isinstance(body, FileBody)
+        _check_count(r.offset, "offset")
+        end = r.offset + len(r.data)
+        if end > MAX_FILE_SIZE:
+            raise FileTooLarge("write beyond the maximum file size", end=end)
+        if not r.data:
+            return 0
+        gaps = uncovered(body.extents, page_floor(r.offset), page_ceil(end))
+        self.host.admit(self, sum(hi - lo for lo, hi in gaps))
+        fills = [(lo, self._read_extents(inode, lo, hi)) for lo, hi in gaps]
+        # Every check has passed: from here on the write takes effect.
+        extents = body.extents
+        for lo, data in fills:
+            extents = self._add_pages(extents, lo, data)
+        for extent in overlapping(extents, r.offset, end):
+            assert isinstance(extent, PageSpan)
+            lo = max(extent.start, r.offset)
+            hi = min(extent.start + extent.length, end)
+            buffer = self._buffers[extent.buffer_id]
+            buffer[lo - extent.start : hi - extent.start] = r.data[lo - r.offset : hi - r.offset]
+        body = dataclasses.replace(body, size=max(body.size, end), extents=extents)
+        txn.put(dataclasses.replace(inode, body=body, mtime_ns=r.time_ns, ctime_ns=r.time_ns))
+        return len(r.data)
+
+    def _add_pages(
+        self, extents: tuple[Extent, ...], start: int, data: bytes
+    ) -> tuple[Extent, ...]:
+        """Cover [start, start+len(data)) with private pages, growing a page run that ends there."""
+        end = start + len(data)
+        before = [e for e in overlapping(extents, start - 1, start) if e.start + e.length == start]
+        if before and isinstance(before[0], PageSpan):
+            prev = before[0]
+            self._buffers[prev.buffer_id].extend(data)
+            grown = PageSpan(prev.start, prev.length + len(data), prev.buffer_id)
+            return splice(extents, prev.start, end, [grown])
+        buffer_id = self._next_buffer
+        self._next_buffer += 1
+        self._buffers[buffer_id] = bytearray(data)
+        return splice(extents, start, end, [PageSpan(start, len(data), buffer_id)])
+
+    def _truncate(self, txn: _Txn, r: Truncate) -> None:
+        inode = txn.file(r.ino)
+        body = inode.body
+        assert isinstance(body, FileBody)
+        _check_count(r.size, "size")
+        if r.size > MAX_FILE_SIZE:
+            raise FileTooLarge("size beyond the maximum file size", size=r.size)
+        if r.size == body.size:
+            return
+        extents = body.extents
+        if r.size < body.size:
+            kept: list[Extent] = []
+            for extent in extents:
+                if extent.start >= r.size:
+                    continue
+                if extent.start + extent.length <= r.size:
+                    kept.append(extent)
+                elif isinstance(extent, PageSpan):
+                    # Keep whole pages, zero past the new end: bytes beyond size stay zero.
+                    buffer = self._buffers[extent.buffer_id]
+                    keep = page_ceil(r.size) - extent.start
+                    del buffer[keep:]
+                    buffer[r.size - extent.start :] = bytes(keep - (r.size - extent.start))
+                    kept.append(PageSpan(extent.start, keep, extent.buffer_id))
+                else:
+                    piece = trim(extent, extent.start, r.size)
+                    assert piece is not None
+                    kept.append(piece)
+            extents = tuple(kept)
+        body = dataclasses.replace(body, size=r.size, extents=extents)
+        txn.put(dataclasses.replace(inode, body=body, mtime_ns=r.time_ns, ctime_ns=r.time_ns))
+
+    def _setattr(self, txn: _Txn, r: SetAttr) -> Attr:
+        inode = txn.get(r.ino)
+        changes: dict[str, int] = {"ctime_ns": r.time_ns}
+        for name in ("mode", "uid", "gid", "atime_ns", "mtime_ns"):
+            value = getattr(r, name)
+            if value is not None:
+                _check_count(value, name)
+                changes[name] = value & 0o7777 if name == "mode" else value
+        inode = dataclasses.replace(inode, **changes)  # type: ignore[arg-type]
+        txn.put(inode)
+        return self._attr(inode)
+
+    def _setxattr(self, txn: _Txn, r: SetXattr) -> None:
+        inode = txn.get(r.ino)
+        if not r.name or len(r.name.encode("utf-8", "surrogateescape")) > MAX_XATTR_NAME:
+            raise InvalidArgument("invalid extended attribute name")
+        if len(r.value) > MAX_XATTR_VALUE:
+            raise InvalidArgument("extended attribute value is too large")
+        present = r.name in inode.xattrs
+        if r.flags & XATTR_CREATE and present:
+            raise AlreadyExists("attribute exists", name=r.name)
+        if r.flags & XATTR_REPLACE and not present:
+            raise NoSuchAttribute("no such attribute", name=r.name)
+        txn.put(
+            dataclasses.replace(inode, xattrs=inode.xattrs.set(r.name, r.value), ctime_ns=r.time_ns)
+        )
+
+    def _removexattr(self, txn: _Txn, r: RemoveXattr) -> None:
+        inode = txn.get(r.ino)
+        if r.name not in inode.xattrs:
+            raise NoSuchAttribute("no such attribute", name=r.name)
+        txn.put(dataclasses.replace(inode, xattrs=inode.xattrs.delete(r.name), ctime_ns=r.time_ns))
+
+    def _retain(self, txn: _Txn, r: Retain) -> None:
+        txn.get(r.ino)
+        if not isinstance(r.count, int) or r.count < 1:
+            raise InvalidArgument("retain count must be positive", count=r.count)
+        self._handles[r.ino] = self._handles.get(r.ino, 0) + r.count
+
+    def _forget(self, txn: _Txn, r: Forget) -> None:
+        inode = txn.get(r.ino)
+        held = self._handles.get(r.ino, 0)
+        if not isinstance(r.count, int) or not 1 <= r.count <= held:
+            raise InvalidArgument(
+                "forget count exceeds the references held", count=r.count, held=held
+            )
+        if held == r.count:
+            del self._handles[r.ino]
+            if inode.nlink == 0:
+                self._destroy(txn, inode)
+        else:
+            self._handles[r.ino] = held - r.count
+
+    # -- seal, snapshot -------------------------------------------------------
+
+    def _seal(self) -> SealReport:
+        txn = _Txn(self.root)
+        files = chunks_new = chunks_shared = sealed = 0
+        for ino in sorted(self._dirty):
+            inode = txn.get(ino)
+            body = inode.body
+            assert isinstance(body, FileBody)
+            extents: list[Extent] = []
+            for extent in body.extents:
+                if not isinstance(extent, PageSpan):
+                    extents.append(extent)
+                    continue
+                buffer = self._buffers[extent.buffer_id]
+                end = min(extent.start + extent.length, body.size)
+                for lo in range(extent.start, end, CHUNK_SIZE):
+                    hi = min(lo + CHUNK_SIZE, end)
+                    piece = buffer[lo - extent.start : hi - extent.start]
+                    chunk_id, new = self.host.put_chunk(piece)
+                    chunks_new += new
+                    chunks_shared += not new
+                    sealed += hi - lo
+                    self._own_chunks.add(chunk_id)
+                    extents.append(ChunkSpan(lo, hi - lo, chunk_id, 0))
+            files += 1
+            txn.put(
+                dataclasses.replace(inode, body=dataclasses.replace(body, extents=tuple(extents)))
+            )
+        self._commit(txn)
+        return SealReport(files, chunks_new, chunks_shared, sealed)
+
+    def _snapshot(self, r: TakeSnapshot) -> Snapshot:
+        if not isinstance(r.snapshot_id, str) or not r.snapshot_id:
+            raise InvalidArgument("a snapshot needs an id")
+        self._seal()
+        inodes = self.root.inodes
+        for ino in self._handles:
+            inode = inodes.get(ino)
+            if inode is not None and inode.nlink == 0:
+                inodes = inodes.delete(ino)  # open but unlinked: not part of the tree
+        snapshot = Snapshot(r.snapshot_id, dataclasses.replace(self.root, inodes=inodes), self.base)
+        # What was created so far now belongs to the snapshot.
+        self.host.hand_over_metadata(self.metadata_bytes)
+        self._own_inodes = 0
+        self._own_mark = self.root.next_ino
+        self._own_chunks.clear()
+        self.unique_bytes = 0
+        return snapshot
+
+    # -- queries --------------------------------------------------------------
+
+    def _inode(self, ino: int) -> Inode:
+        inode = self.root.inodes.get(ino)
+        if inode is None:
+            raise NotFound("no such inode", ino=ino)
+        return inode
+
+    def _dir_body(self, ino: int) -> DirBody:
+        body = self._inode(ino).body
+        if not isinstance(body, DirBody):
+            raise NotADirectory("not a directory", ino=ino)
+        return body
+
+    def _attr(self, inode: Inode) -> Attr:
+        body = inode.body
+        size = blocks = rdev = 0
+        nlink = inode.nlink
+        if isinstance(body, FileBody):
+            size = body.size
+            blocks = -(-allocated_length(body.extents, body.size) // 512)
+        elif isinstance(body, SymlinkBody):
+            size = len(body.target.encode("utf-8", "surrogateescape"))
+        elif isinstance(body, DeviceBody):
+            rdev = body.rdev
+        elif body.base_path is not None and nlink:
+            nlink = 1  # merges a base directory: subdirectory count unknown (find(1) convention)
+        return Attr(
+            inode.ino,
+            inode.kind,
+            inode.mode,
+            nlink,
+            inode.uid,
+            inode.gid,
+            size,
+            blocks,
+            inode.atime_ns,
+            inode.mtime_ns,
+            inode.ctime_ns,
+            rdev,
+        )
+
+    def getattr(self, ino: int) -> Attr:
+        return self._attr(self._inode(ino))
+
+    def lookup(self, parent: int, name: str) -> Attr:
+        """The inode `name` names in `parent`, binding a base entry on first sight."""
+        return self.getattr(self._lookup_ino(parent, name))
+
+    def _lookup_ino(self, parent: int, name: str) -> int:
+        _check_name(name)
+        body = self._dir_body(parent)
+        key = self._key(name)
+        entry = body.entries.get(key)
+        if entry is not None:
+            return entry.ino
+        found = self._base_entry(body, name, key)
+        if found is None:
+            raise NotFound("no such file or directory", name=name)
+        ino = self.apply(BindBase(parent, posixpath.basename(found.path), found))
+        assert isinstance(ino, int)
+        return ino
+
+    def _base_entry(self, body: DirBody, name: str, key: str) -> BaseEntry | None:
+        if self.base is None or body.base_path is None or key in body.whiteouts:
+            return None
+        found = self.base.stat(posixpath.join(body.base_path, name))
+        if found is None and self.root.case_insensitive:
+            for base_name, _kind in self.base.list(body.base_path):
+                if base_name.casefold() == key:
+                    return self.base.stat(posixpath.join(body.base_path, base_name))
+        return found
+
+    def readdir(self, ino: int) -> list[DirItem]:
+        """The directory's visible names: private entries, then unhidden base names; sorted."""
+        body = self._dir_body(ino)
+        items = {
+            key: DirItem(entry.name, self._inode(entry.ino).kind, entry.ino)
+            for key, entry in body.entries.items()
+        }
+        if self.base is not None and body.base_path is not None:
+            for name, kind in self.base.list(body.base_path):
+                key = self._key(name)
+                if key not in items and key not in body.whiteouts:
+                    items[key] = DirItem(name, kind, 0)
+        return sorted(items.values(), key=lambda item: item.name)
+
+    def read(self, ino: int, offset: int, size: int) -> bytes:
+        inode = self._inode(ino)
+        if isinstance(inode.body, DirBody):
+            raise IsADirectory("is a directory", ino=ino)
+        if not isinstance(inode.body, FileBody):
+            raise InvalidArgument("not a regular file", ino=ino)
+        _check_count(offset, "offset")
+        _check_count(size, "size")
+        end = min(offset + size, inode.body.size)
+        if offset >= end:
+            return b""
+        return self._read_extents(inode, offset, end)
+
+    def dir_info(self, ino: int) -> DirInfo:
+        body = self._dir_body(ino)
+        return DirInfo(body.base_path, tuple(sorted(body.whiteouts)))
+
+    def readlink(self, ino: int) -> str:
+        body = self._inode(ino).body
+        if not isinstance(body, SymlinkBody):
+            raise InvalidArgument("not a symbolic link", ino=ino)
+        return body.target
+
+    def getxattr(self, ino: int, name: str) -> bytes:
+        value = self._inode(ino).xattrs.get(name)
+        if value is None:
+            raise NoSuchAttribute("no such attribute", name=name)
+        return value
+
+    def listxattr(self, ino: int) -> list[str]:
+        return sorted(self._inode(ino).xattrs.keys())
+
+    def handles(self, ino: int) -> int:
+        return self._handles.get(ino, 0)
+
+    def resolve(self, path: str) -> int:
+        """The inode at an absolute path (symlinks are not followed)."""
+        if not path.startswith("/"):
+            raise InvalidArgument("paths are absolute", path=path)
+        ino = ROOT_INO
+        for part in path.split("/"):
+            if part:
+                ino = self._lookup_ino(ino, part)
+        return ino
+
+    # -- operation methods: settle names against the base, then apply ---------
+
+    def _require_absent(self, parent: int, name: str) -> None:
+        try:
+            self._lookup_ino(parent, name)
+        except NotFound:
+            return
+        raise AlreadyExists("file exists", name=name)
+
+    def _require_empty(self, ino: int) -> None:
+        if self.readdir(ino):
+            raise DirectoryNotEmpty("directory not empty", ino=ino)
+
+    def create(
+        self,
+        parent: int,
+        name: str,
+        mode: int = 0o644,
+        *,
+        uid: int = 0,
+        gid: int = 0,
+        time_ns: int = 0,
+    ) -> Attr:
+        self._require_absent(parent, name)
+        return self._attr_result(self.apply(Create(parent, name, mode, uid, gid, time_ns)))
+
+    def mkdir(
+        self,
+        parent: int,
+        name: str,
+        mode: int = 0o755,
+        *,
+        uid: int = 0,
+        gid: int = 0,
+        time_ns: int = 0,
+    ) -> Attr:
+        self._require_absent(parent, name)
+        return self._attr_result(self.apply(Mkdir(parent, name, mode, uid, gid, time_ns)))
+
+    def symlink(
+        self, parent: int, name: str, target: str, *, uid: int = 0, gid: int = 0, time_ns: int = 0
+    ) -> Attr:
+        self._require_absent(parent, name)
+        return self._attr_result(self.apply(Symlink(parent, name, target, uid, gid, time_ns)))
+
+    def mknod(
+        self,
+        parent: int,
+        name: str,
+        kind: Kind,
+        mode: int = 0o644,
+        rdev: int = 0,
+        *,
+        uid: int = 0,
+        gid: int = 0,
+        time_ns: int = 0,
+    ) -> Attr:
+        self._require_absent(parent, name)
+        return self._attr_result(
+            self.apply(Mknod(parent, name, kind, mode, rdev, uid, gid, time_ns))
+        )
+
+    def link(self, ino: int, parent: int, name: str, *, time_ns: int = 0) -> Attr:
+        self._require_absent(parent, name)
+        return self._attr_result(self.apply(Link(ino, parent, name, time_ns)))
+
+    def unlink(self, parent: int, name: str, *, time_ns: int = 0) -> None:
+        self._lookup_ino(parent, name)
+        self.apply(Unlink(parent, name, time_ns))
+
+    def rmdir(self, parent: int, name: str, *, time_ns: int = 0) -> None:
+        ino = self._lookup_ino(parent, name)
+        if isinstance(self._inode(ino).body, DirBody):
+            self._require_empty(ino)
+        self.apply(Rmdir(parent, name, time_ns))
+
+    def rename(
+        self,
+        parent: int,
+        name: str,
+        new_parent: int,
+        new_name: str,
+        flags: int = 0,
+        *,
+        time_ns: int = 0,
+    ) -> None:
+        moved = self._lookup_ino(parent, name)
+        try:
+            replaced = self._lookup_ino(new_parent, new_name)
+        except NotFound:
+            replaced = None
+        if (
+            replaced is not None
+            and replaced != moved
+            and not flags & RENAME_EXCHANGE
+            and self._inode(moved).kind == Kind.DIR
+            and isinstance(self._inode(replaced).body, DirBody)
+            and not self._is_within(self.root.inodes, new_parent, moved)
+        ):
+            self._require_empty(replaced)  # the record checks cycles itself (EINVAL first)
+        self.apply(Rename(parent, name, new_parent, new_name, flags, time_ns))
+
+    def write(self, ino: int, offset: int, data: bytes, *, time_ns: int = 0) -> int:
+        written = self.apply(Write(ino, offset, bytes(data), time_ns))
+        assert isinstance(written, int)
+        return written
+
+    def truncate(self, ino: int, size: int, *, time_ns: int = 0) -> None:
+        self.apply(Truncate(ino, size, time_ns))
+
+    def setattr(
+        self,
+        ino: int,
+        *,
+        time_ns: int = 0,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+    ) -> Attr:
+        return self._attr_result(
+            self.apply(SetAttr(ino, time_ns, mode, uid, gid, atime_ns, mtime_ns))
+        )
+
+    def setxattr(
+        self, ino: int, name: str, value: bytes, flags: int = 0, *, time_ns: int = 0
+    ) -> None:
+        self.apply(SetXattr(ino, name, bytes(value), flags, time_ns))
+
+    def removexattr(self, ino: int, name: str, *, time_ns: int = 0) -> None:
+        self.apply(RemoveXattr(ino, name, time_ns))
+
+    def retain(self, ino: int, count: int = 1) -> None:
+        self.apply(Retain(ino, count))
+
+    def forget(self, ino: int, count: int = 1) -> None:
+        self.apply(Forget(ino, count))
+
+    def seal(self) -> SealReport:
+        report = self.apply(Seal())
+        assert isinstance(report, SealReport)
+        return report
+
+    def snapshot(self, snapshot_id: str) -> Snapshot:
+        snapshot = self.apply(TakeSnapshot(snapshot_id))
+        assert isinstance(snapshot, Snapshot)
+        return snapshot
+
+    @staticmethod
+    def _attr_result(result: object) -> Attr:
+        assert isinstance(result, Attr)
+        return result
