@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from slates.base import LiveDirectory, capture
 import slates.base.capturing as capture_module
+from slates.base import LiveDirectory, capture
 from slates.core import ROOT_INO, Host, Kind, Volume
 from slates.core.records import Fingerprint
 from slates.errors import BaseDrift, ConsistentBaseUnavailable, InvalidArgument, NotFound
@@ -19,15 +19,21 @@ from tests.volume_check import check_invariants, tree
 def _digest_tree(root: Path) -> dict[str, tuple[object, ...]]:
     """Everything a base write could change: bytes, modes, times, links."""
     out: dict[str, tuple[object, ...]] = {}
-    for path in sorted(root.rglob("*")) + [root]:
+    for path in [*sorted(root.rglob("*")), root]:
         st = path.lstat()
         content: object = None
         if path.is_symlink():
             content = os.readlink(path)
         elif path.is_file():
             content = hashlib.sha256(path.read_bytes()).hexdigest()
-        out[str(path.relative_to(root))] = (st.st_mode, st.st_mtime_ns, st.st_ctime_ns,
-                                             st.st_nlink, st.st_size, content)
+        out[str(path.relative_to(root))] = (
+            st.st_mode,
+            st.st_mtime_ns,
+            st.st_ctime_ns,
+            st.st_nlink,
+            st.st_size,
+            content,
+        )
     return out
 
 
@@ -188,8 +194,9 @@ def test_capture_refuses_a_file_changed_while_it_is_read(
 ) -> None:
     real_read = LiveDirectory.read
 
-    def read_then_edit(self: LiveDirectory, path: str, fp: Fingerprint, offset: int,
-                       size: int) -> bytes:
+    def read_then_edit(
+        self: LiveDirectory, path: str, fp: Fingerprint, offset: int, size: int
+    ) -> bytes:
         if path == "/src/image.rs":
             (project / "src" / "image.rs").write_bytes(b"torn")
         return real_read(self, path, fp, offset, size)
@@ -199,8 +206,9 @@ def test_capture_refuses_a_file_changed_while_it_is_read(
         capture(str(project), Host(), snapshot_id="v0")
 
 
-def test_a_new_file_during_capture_is_detected(project: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_file_during_capture_is_detected(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_copy = capture_module._copy_file
 
     def copy_then_add(live: LiveDirectory, volume: Volume, entry: object, ino: int) -> None:
