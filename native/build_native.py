@@ -60,6 +60,8 @@ ffibuilder.set_source(
 
 
 if __name__ == "__main__":
-    # With the root as tmpdir, cffi writes slates/_native.c and
-    # slates/_native*.so next to the package (both git-ignored).
-    print(ffibuilder.compile(tmpdir=str(_ROOT), verbose=True))
+    # With the root as tmpdir, cffi writes slates/_native.c and the .so next
+    # to the package (both git-ignored).  The .so gets the name an install
+    # gives it (cffi builds for the stable ABI), so a stale copy from one
+    # way of building can never shadow the other's.
+    print(ffibuilder.compile(tmpdir=str(_ROOT), target="_native.abi3.so", verbose=True))

@@ -218,10 +218,20 @@ class Rename(Record):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Write(Record):
+    """Write `data` at `offset`.
+
+    `head` and `tail` are the file's current bytes in the partial pages
+    around the write ([page start, offset) and [end, page end), clipped to
+    the size): copy-on-write needs them, and carrying them here means
+    applying the record never reads the base.
+    """
+
     ino: int
     offset: int
     data: bytes
     time_ns: int
+    head: bytes = b""
+    tail: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

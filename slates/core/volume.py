@@ -300,6 +300,14 @@ def _check_name(name: str) -> None:
         raise NameTooLong("file name is too long", name=name[:64])
 
 
+def _place(target: bytearray, target_start: int, piece: bytes, piece_start: int) -> None:
+    """Copy the part of `piece` (at file offset piece_start) that falls inside `target`."""
+    lo = max(target_start, piece_start)
+    hi = min(target_start + len(target), piece_start + len(piece))
+    if lo < hi:
+        target[lo - target_start : hi - target_start] = piece[lo - piece_start : hi - piece_start]
+
+
 def _check_count(value: int, what: str) -> None:
     if not isinstance(value, int) or value < 0:
         raise InvalidArgument(f"{what} must be a non-negative integer", value=value)
@@ -966,13 +974,20 @@ class Volume:
             raise FileTooLarge("write beyond the maximum file size", end=end)
         if not r.data:
             return 0
-        gaps = uncovered(body.extents, page_floor(r.offset), page_ceil(end))
+        first, last = page_floor(r.offset), page_ceil(end)
+        if len(r.head) != max(0, min(r.offset, body.size) - first) or len(r.tail) != max(
+            0, min(last, body.size) - end
+        ):
+            raise InvalidArgument("the write's edge bytes do not match the file", ino=r.ino)
+        gaps = uncovered(body.extents, first, last)
         self.host.admit(self, sum(hi - lo for lo, hi in gaps))
-        fills = [(lo, self._read_extents(inode, lo, hi)) for lo, hi in gaps]
         # Every check has passed: from here on the write takes effect.
         extents = body.extents
-        for lo, data in fills:
-            extents = self._add_pages(extents, lo, data)
+        for lo, hi in gaps:
+            fill = bytearray(hi - lo)
+            _place(fill, lo, r.head, first)
+            _place(fill, lo, r.tail, end)
+            extents = self._add_pages(extents, lo, fill)
         for extent in overlapping(extents, r.offset, end):
             assert isinstance(extent, PageSpan)
             lo = max(extent.start, r.offset)
@@ -984,7 +999,7 @@ class Volume:
         return len(r.data)
 
     def _add_pages(
-        self, extents: tuple[Extent, ...], start: int, data: bytes
+        self, extents: tuple[Extent, ...], start: int, data: bytearray
     ) -> tuple[Extent, ...]:
         """Cover [start, start+len(data)) with private pages, growing a page run that ends there."""
         end = start + len(data)
@@ -1369,7 +1384,14 @@ class Volume:
         self.apply(Rename(parent, name, new_parent, new_name, flags, time_ns))
 
     def write(self, ino: int, offset: int, data: bytes, *, time_ns: int = 0) -> int:
-        written = self.apply(Write(ino, offset, bytes(data), time_ns))
+        """Write, reading the partial edge pages first (this may read the base)."""
+        _check_count(offset, "offset")
+        self.read(ino, 0, 0)  # refuses non-files before any base read
+        end = offset + len(data)
+        first, last = page_floor(offset), page_ceil(end)
+        head = self.read(ino, first, offset - first) if data else b""
+        tail = self.read(ino, end, last - end) if data else b""
+        written = self.apply(Write(ino, offset, bytes(data), time_ns, head, tail))
         assert isinstance(written, int)
         return written
 
