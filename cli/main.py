@@ -16,6 +16,7 @@ with the daemon.
 from __future__ import annotations
 
 import json
+import os
 from typing import NoReturn
 
 import click
@@ -256,6 +257,37 @@ def demo(as_json: bool, keep: str | None) -> None:
         click.echo(json.dumps(result, indent=2))
     else:
         print_demo(result, Console())
+
+
+@main.command()
+@click.option(
+    "--runtime-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where the service lives (default: $SLATES_RUNTIME_DIR, /run/slates for root).",
+)
+@click.option(
+    "--shards",
+    type=click.IntRange(1, 256),
+    default=None,
+    help="Daemon shard processes (default: the number of cores).",
+)
+@click.option(
+    "--capacity", default="8GiB", show_default=True, help="Host memory Slates may use, e.g. 4GiB."
+)
+@click.option("--daemon", is_flag=True, help="Detach once serving (logs go to anchor.log).")
+def anchor(runtime_dir: str | None, shards: int | None, capacity: str, daemon: bool) -> None:
+    """Start the service: shared memory, shards, supervision."""
+    from slates.node.anchor import parse_size, run_anchor
+    from slates.node.runtime import Runtime
+
+    try:
+        code = run_anchor(
+            Runtime(runtime_dir), shards or os.cpu_count() or 1, parse_size(capacity), daemon=daemon
+        )
+    except SlatesError as exc:
+        _fail(exc)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ The pure state machine lives in `slates.core`; base directories are read by
 
 from slates import errors
 from slates.errors import SlatesError
+from slates.sdk import AsyncClient, Client
 
-__all__ = ["SlatesError", "errors"]
+__all__ = ["AsyncClient", "Client", "SlatesError", "errors"]
 __version__ = "0.1.0"

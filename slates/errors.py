@@ -29,6 +29,9 @@ __all__ = [
     "NotPermitted",
     "NoSuchAttribute",
     "FileTooLarge",
+    "OutOfRange",
+    "TooBig",
+    "NotSupported",
     "ConsistentBaseUnavailable",
     "BaseDrift",
     "Conflict",
@@ -118,6 +121,21 @@ class NoSuchAttribute(InvalidArgument):
 class FileTooLarge(InvalidArgument):
     code = "FileTooLarge"
     errno_name = "EFBIG"
+
+
+class OutOfRange(InvalidArgument):
+    code = "OutOfRange"
+    errno_name = "ERANGE"
+
+
+class TooBig(InvalidArgument):
+    code = "TooBig"
+    errno_name = "E2BIG"
+
+
+class NotSupported(InvalidArgument):
+    code = "NotSupported"
+    errno_name = "EOPNOTSUPP"
 
 
 class ConsistentBaseUnavailable(SlatesError):

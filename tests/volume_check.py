@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from slates.core.extents import PAGE, BaseSpan, ChunkSpan, PageSpan, stored_length
 from slates.core.records import Kind
-from slates.core.volume import INODE_COST, ROOT_INO, DirBody, FileBody, Volume
+from slates.core.volume import ROOT_INO, DirBody, FileBody, Volume, _metadata
 
 __all__ = ["tree", "check_invariants"]
 
@@ -83,16 +83,19 @@ def check_invariants(volume: Volume) -> None:
                     raise AssertionError(f"inode {ino}: a shared extent lies beyond the size")
                 if isinstance(extent, ChunkSpan):
                     volume.host.get_chunk(extent.chunk_id)
-                    if extent.chunk_id in volume._own_chunks:
+                    if extent.epoch == root.epoch:
                         unique += extent.length
                 elif not isinstance(extent, BaseSpan):
                     raise AssertionError("unknown extent type")
         referenced += stored_length(body.extents, body.size)
     for ino, inode in root.inodes.items():
         if inode.kind != Kind.DIR and ino != ROOT_INO:
-            if names.get(ino, 0) != inode.nlink:
+            if names.get(ino, 0) != inode.nlink and not (
+                isinstance(inode.body, FileBody) and inode.body.fingerprint is not None
+            ):
                 raise AssertionError(f"inode {ino}: nlink {inode.nlink} but {names.get(ino)} names")
-            if inode.nlink == 0 and volume.handles(ino) == 0:
+            base_bound = isinstance(inode.body, FileBody) and inode.body.fingerprint is not None
+            if inode.nlink == 0 and volume.handles(ino) == 0 and not base_bound:
                 raise AssertionError(f"inode {ino} is unreachable and unheld but alive")
     if set(volume._buffers) != buffers_seen:
         raise AssertionError("page buffers leaked or missing")
@@ -100,6 +103,6 @@ def check_invariants(volume: Volume) -> None:
         raise AssertionError(f"referenced {root.referenced_bytes} != recomputed {referenced}")
     if unique != volume.unique_bytes:
         raise AssertionError(f"unique {volume.unique_bytes} != recomputed {unique}")
-    own = sum(1 for ino in root.inodes if ino >= volume._own_mark)
-    if own * INODE_COST != volume.metadata_bytes:
+    own = sum(_metadata(inode) for ino, inode in root.inodes.items() if ino >= volume._own_mark)
+    if own != volume.metadata_bytes:
         raise AssertionError("metadata charge does not match the inodes created")

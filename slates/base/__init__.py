@@ -1,6 +1,6 @@
 """slates.base: reading source directories (live, on demand) and capturing them."""
 
-from slates.base.capturing import capture
+from slates.base.capturing import capture, capture_into
 from slates.base.live import LiveDirectory
 
-__all__ = ["LiveDirectory", "capture"]
+__all__ = ["LiveDirectory", "capture", "capture_into"]

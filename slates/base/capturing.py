@@ -25,9 +25,9 @@ from slates.base.live import LiveDirectory
 from slates.core.host import Host
 from slates.core.records import BaseEntry, Kind
 from slates.core.volume import ROOT_INO, Capacity, Snapshot, Volume
-from slates.errors import BaseDrift, ConsistentBaseUnavailable
+from slates.errors import BaseDrift, ConsistentBaseUnavailable, InvalidArgument
 
-__all__ = ["capture", "READ_SIZE"]
+__all__ = ["capture", "capture_into", "READ_SIZE"]
 
 READ_SIZE = 1 << 20
 
@@ -67,78 +67,71 @@ def capture(
     capacity: Capacity | None = None,
     case_insensitive: bool = False,
 ) -> Snapshot:
+    """Capture `source` into a snapshot held by `host`."""
+    volume = Volume.new(host, capacity=capacity, case_insensitive=case_insensitive)
+    try:
+        return capture_into(source, volume, snapshot_id=snapshot_id)
+    finally:
+        volume.close()
+
+
+def capture_into(source: str, volume: Volume, *, snapshot_id: str) -> Snapshot:
+    """Fill an empty base-less volume with `source` through records, then snapshot it."""
+    if volume.base is not None or volume.readdir(ROOT_INO):
+        raise InvalidArgument("capture needs an empty volume without a base")
     live = LiveDirectory(source)
     top = live.stat("/")
     if top is None:
         raise ConsistentBaseUnavailable("the source vanished", path=source)
-    volume = Volume.new(
-        host,
-        capacity=capacity,
-        case_insensitive=case_insensitive,
-        mode=top.mode,
-        uid=top.uid,
-        gid=top.gid,
-        time_ns=top.mtime_ns,
-    )
-    try:
-        first: dict[str, tuple[object, ...]] = {"/": _observed(top)}
-        inos: dict[str, int] = {"/": ROOT_INO}
-        linked: dict[tuple[int, int], int] = {}
-        dirs: list[BaseEntry] = [top]
-        for entry in _walk(live, "/"):
-            first[entry.path] = _observed(entry)
-            parent = inos[posixpath.dirname(entry.path)]
-            name = posixpath.basename(entry.path)
-            identity = (entry.fingerprint.device, entry.fingerprint.inode)
-            if entry.kind == Kind.FILE and identity in linked:
-                volume.link(linked[identity], parent, name, time_ns=entry.ctime_ns)
-                continue
-            match entry.kind:
-                case Kind.DIR:
-                    attr = volume.mkdir(parent, name, entry.mode, uid=entry.uid, gid=entry.gid)
-                    dirs.append(entry)
-                case Kind.FILE:
-                    attr = volume.create(parent, name, entry.mode, uid=entry.uid, gid=entry.gid)
-                    _copy_file(live, volume, entry, attr.ino)
-                    linked[identity] = attr.ino
-                case Kind.SYMLINK:
-                    attr = volume.symlink(parent, name, entry.target, uid=entry.uid, gid=entry.gid)
-                case _:
-                    attr = volume.mknod(
-                        parent,
-                        name,
-                        entry.kind,
-                        entry.mode,
-                        entry.rdev,
-                        uid=entry.uid,
-                        gid=entry.gid,
-                    )
-            inos[entry.path] = attr.ino
-            volume.setattr(
-                attr.ino, time_ns=entry.ctime_ns, atime_ns=entry.atime_ns, mtime_ns=entry.mtime_ns
-            )
-        for entry in reversed(dirs):  # children changed their parents' times
-            volume.setattr(
-                inos[entry.path],
-                time_ns=entry.ctime_ns,
-                atime_ns=entry.atime_ns,
-                mtime_ns=entry.mtime_ns,
-            )
-        second = {"/": _observed(top_again)} if (top_again := live.stat("/")) else {}
-        second.update((entry.path, _observed(entry)) for entry in _walk(live, "/"))
-        if second != first:
-            changed = sorted(
-                p for p in first.keys() | second.keys() if first.get(p) != second.get(p)
-            )
-            raise ConsistentBaseUnavailable(
-                "the source changed during the capture; stop its writers or capture an "
-                "immutable view",
-                path=source,
-                changed=changed[:20],
-            )
-        return volume.snapshot(snapshot_id)
-    finally:
-        volume.close()
+    volume.setattr(ROOT_INO, time_ns=top.ctime_ns, mode=top.mode, uid=top.uid, gid=top.gid)
+    first: dict[str, tuple[object, ...]] = {"/": _observed(top)}
+    inos: dict[str, int] = {"/": ROOT_INO}
+    linked: dict[tuple[int, int], int] = {}
+    dirs: list[BaseEntry] = [top]
+    for entry in _walk(live, "/"):
+        first[entry.path] = _observed(entry)
+        parent = inos[posixpath.dirname(entry.path)]
+        name = posixpath.basename(entry.path)
+        identity = (entry.fingerprint.device, entry.fingerprint.inode)
+        if entry.kind == Kind.FILE and identity in linked:
+            volume.link(linked[identity], parent, name, time_ns=entry.ctime_ns)
+            continue
+        match entry.kind:
+            case Kind.DIR:
+                attr = volume.mkdir(parent, name, entry.mode, uid=entry.uid, gid=entry.gid)
+                dirs.append(entry)
+            case Kind.FILE:
+                attr = volume.create(parent, name, entry.mode, uid=entry.uid, gid=entry.gid)
+                _copy_file(live, volume, entry, attr.ino)
+                linked[identity] = attr.ino
+            case Kind.SYMLINK:
+                attr = volume.symlink(parent, name, entry.target, uid=entry.uid, gid=entry.gid)
+            case _:
+                attr = volume.mknod(
+                    parent, name, entry.kind, entry.mode, entry.rdev, uid=entry.uid, gid=entry.gid
+                )
+        inos[entry.path] = attr.ino
+        volume.setattr(
+            attr.ino, time_ns=entry.ctime_ns, atime_ns=entry.atime_ns, mtime_ns=entry.mtime_ns
+        )
+    for entry in reversed(dirs):  # children changed their parents' times
+        volume.setattr(
+            inos[entry.path],
+            time_ns=entry.ctime_ns,
+            atime_ns=entry.atime_ns,
+            mtime_ns=entry.mtime_ns,
+        )
+    top_again = live.stat("/")
+    second = {"/": _observed(top_again)} if top_again else {}
+    second.update((entry.path, _observed(entry)) for entry in _walk(live, "/"))
+    if second != first:
+        changed = sorted(p for p in first.keys() | second.keys() if first.get(p) != second.get(p))
+        raise ConsistentBaseUnavailable(
+            "the source changed during the capture; stop its writers or capture an immutable view",
+            path=source,
+            changed=changed[:20],
+        )
+    return volume.snapshot(snapshot_id)
 
 
 def _copy_file(live: LiveDirectory, volume: Volume, entry: BaseEntry, ino: int) -> None:

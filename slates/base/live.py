@@ -36,6 +36,10 @@ _KINDS = {
 }
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+
+
 def kind_of_mode(mode: int) -> Kind:
     return _KINDS[stat.S_IFMT(mode)]
 
@@ -55,24 +59,57 @@ class LiveDirectory:
             raise InvalidArgument("base is not a directory", path=root)
         self.root = root
 
-    def _host_path(self, path: str) -> str:
+    def _parts(self, path: str) -> list[str]:
         if not path.startswith("/"):
             raise InvalidArgument("base paths are absolute", path=path)
         parts = [p for p in path.split("/") if p]
         if any(p in (".", "..") for p in parts):
             raise InvalidArgument("base path leaves the base directory", path=path)
-        return os.path.join(self.root, *parts)
+        return parts
+
+    def _open_dir(self, parts: list[str]) -> int:
+        """An fd of the directory at `parts`, walked without following any symlink.
+
+        A directory swapped for a symlink (to /etc, say) fails here instead of
+        leading the volume outside the base.
+        """
+        fd = os.open(self.root, _DIR_FLAGS)
+        try:
+            for part in parts:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def stat(self, path: str) -> BaseEntry | None:
-        host_path = self._host_path(path)
+        parts = self._parts(path)
+        if not parts:
+            return self._entry("/", os.stat(self.root), "")
         try:
-            st = os.lstat(host_path)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+            dir_fd = self._open_dir(parts[:-1])
+        except OSError as exc:
+            if exc.errno in _GONE:
+                return None
+            raise
+        try:
+            st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
+            target = os.readlink(parts[-1], dir_fd=dir_fd) if stat.S_ISLNK(st.st_mode) else ""
+        except OSError as exc:
+            if exc.errno in _GONE:
+                return None
+            raise
+        finally:
+            os.close(dir_fd)
+        return self._entry("/" + "/".join(parts), st, target)
+
+    @staticmethod
+    def _entry(path: str, st: os.stat_result, target: str) -> BaseEntry:
         kind = kind_of_mode(st.st_mode)
-        target = os.readlink(host_path) if kind == Kind.SYMLINK else ""
         return BaseEntry(
-            path="/" + "/".join(p for p in path.split("/") if p),
+            path=path,
             kind=kind,
             mode=stat.S_IMODE(st.st_mode),
             uid=st.st_uid,
@@ -84,28 +121,39 @@ class LiveDirectory:
             rdev=st.st_rdev,
             fingerprint=fingerprint_of(st),
             target=target,
+            nlink=st.st_nlink,
         )
 
     def list(self, path: str) -> list[tuple[str, Kind]]:
+        try:
+            dir_fd = self._open_dir(self._parts(path))
+        except OSError as exc:
+            if exc.errno in _GONE:
+                return []
+            raise
         out: list[tuple[str, Kind]] = []
         try:
-            with os.scandir(self._host_path(path)) as entries:
+            with os.scandir(dir_fd) as entries:
                 for entry in entries:
                     try:
                         mode = entry.stat(follow_symlinks=False).st_mode
                     except FileNotFoundError:
                         continue  # removed while listing
                     out.append((entry.name, kind_of_mode(mode)))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        finally:
+            os.close(dir_fd)
         return out
 
     def read(self, path: str, fingerprint: Fingerprint, offset: int, size: int) -> bytes:
-        host_path = self._host_path(path)
+        parts = self._parts(path)
         try:
-            fd = os.open(host_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            dir_fd = self._open_dir(parts[:-1])
+            try:
+                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
         except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+            if exc.errno in _GONE:
                 raise BaseDrift("base file is gone", path=path) from None
             raise
         try:

@@ -55,6 +55,7 @@ class ChunkSpan:
     length: int
     chunk_id: bytes
     chunk_offset: int
+    epoch: int = 0  # the volume epoch that sealed it: unique to a volume sealing at that epoch
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,7 +118,7 @@ def trim(extent: Extent, start: int, end: int) -> Extent | None:
     if isinstance(extent, BaseSpan):
         return BaseSpan(lo, hi - lo, extent.base_offset + shift)
     if isinstance(extent, ChunkSpan):
-        return ChunkSpan(lo, hi - lo, extent.chunk_id, extent.chunk_offset + shift)
+        return ChunkSpan(lo, hi - lo, extent.chunk_id, extent.chunk_offset + shift, extent.epoch)
     raise ValueError("page extents are resized with their buffers, not trimmed")
 
 

@@ -27,7 +27,7 @@ dropped).  Pure data and arithmetic: no I/O, clock or randomness.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from typing import Protocol
 
 import blake3
@@ -54,7 +54,12 @@ class Account(Protocol):
 
 
 class Host:
-    def __init__(self, capacity: int = UNLIMITED, reserve: int | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int = UNLIMITED,
+        reserve: int | None = None,
+        chunks: MutableMapping[bytes, bytes] | None = None,
+    ) -> None:
         if capacity <= 0:
             raise InvalidArgument("host capacity must be positive", capacity=capacity)
         if reserve is None:
@@ -63,8 +68,10 @@ class Host:
             raise InvalidArgument("host reserve must lie in [0, capacity)", reserve=reserve)
         self.capacity = capacity
         self.reserve = reserve
-        self._chunks: dict[bytes, bytes] = {}
-        self.chunk_bytes = 0
+        # The chunk storage is injected: a dict here, a shared-memory arena in a
+        # daemon shard (so sealed content survives the shard's restart).
+        self._chunks: MutableMapping[bytes, bytes] = {} if chunks is None else chunks
+        self.chunk_bytes = sum(len(self._chunks[cid]) for cid in self._chunks)
         self.private_bytes = 0  # page buffers, metadata and in-flight buffers of all volumes
         self.snapshot_metadata_bytes = 0  # metadata volumes handed to their snapshots
         self._accounts: list[Account] = []
@@ -98,7 +105,7 @@ class Host:
         live: set[bytes] = set()
         for chunk_ids in live_chunk_sets:
             live.update(chunk_ids)
-        dead = [cid for cid in self._chunks if cid not in live]
+        dead = [cid for cid in list(self._chunks) if cid not in live]
         freed = 0
         for cid in dead:
             freed += len(self._chunks.pop(cid))

@@ -97,6 +97,7 @@ class BaseEntry:
     rdev: int
     fingerprint: Fingerprint
     target: str = ""  # symlink target
+    nlink: int = 1  # the base's link count (other names may lie outside what was looked up)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -314,22 +315,40 @@ def _default(obj: Any) -> Any:
 
 
 def _pack(value: Any) -> bytes:
-    out: bytes = msgpack.packb(value, default=_default, use_bin_type=True)
+    # Names are str decoded with surrogateescape (POSIX names are bytes).
+    out: bytes = msgpack.packb(
+        value, default=_default, use_bin_type=True, unicode_errors="surrogateescape"
+    )
     return out
 
 
-def _ext_hook(code: int, payload: bytes) -> Any:
-    fields = _unpack(payload)
-    if not isinstance(fields, tuple) or not fields:
-        raise InvalidArgument("malformed record")
-    table = _RECORDS if code == _EXT_RECORD else _DATA if code == _EXT_DATA else None
-    if table is None or fields[0] not in table:
-        raise InvalidArgument("unknown record type", tag=str(fields[0]), ext=code)
-    cls = table[fields[0]]
+_MAX_DEPTH = 3  # Record > BaseEntry > Fingerprint
+
+
+def _raw_unpack(payload: bytes) -> Any:
+    # No ext_hook: nested extensions come back as ExtType and are converted
+    # below in Python, bounded in depth (a re-entrant unpackb per level would
+    # let a small hostile payload exhaust the C stack).
+    return msgpack.unpackb(payload, use_list=False, raw=False, unicode_errors="surrogateescape")
+
+
+def _convert(value: Any, depth: int) -> Any:
+    if not isinstance(value, msgpack.ExtType):
+        return value
+    if depth >= _MAX_DEPTH:
+        raise InvalidArgument("record nesting is too deep")
+    table = _RECORDS if value.code == _EXT_RECORD else _DATA if value.code == _EXT_DATA else None
+    fields = _raw_unpack(value.data)
+    if table is None or not isinstance(fields, tuple) or not fields:
+        raise InvalidArgument("malformed record", ext=value.code)
+    tag = fields[0]
+    if not isinstance(tag, str) or tag not in table:
+        raise InvalidArgument("unknown record type", tag=str(tag)[:40], ext=value.code)
+    cls = table[tag]
     try:
-        obj = cls(*fields[1:])
+        obj = cls(*(_convert(field, depth + 1) for field in fields[1:]))
     except TypeError as exc:
-        raise InvalidArgument("malformed record", tag=fields[0], reason=str(exc)) from None
+        raise InvalidArgument("malformed record", tag=tag, reason=str(exc)) from None
     _check_types(obj)
     return obj
 
@@ -363,17 +382,13 @@ _ALLOWED: dict[str, tuple[type, ...]] = {
 }
 
 
-def _unpack(payload: bytes) -> Any:
-    return msgpack.unpackb(payload, ext_hook=_ext_hook, use_list=False, raw=False)
-
-
 def encode(record: Record) -> bytes:
     return _pack(record)
 
 
 def decode(payload: bytes) -> Record:
     try:
-        value = _unpack(payload)
+        value = _convert(_raw_unpack(payload), 0)
     except InvalidArgument:
         raise
     except Exception as exc:  # msgpack raises several unrelated types

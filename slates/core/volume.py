@@ -108,6 +108,9 @@ from slates.errors import (
     NotADirectory,
     NotFound,
     NotPermitted,
+    NotSupported,
+    OutOfRange,
+    TooBig,
 )
 
 __all__ = [
@@ -140,6 +143,7 @@ MAX_SYMLINK_BYTES = 4095
 MAX_XATTR_NAME = 255
 MAX_XATTR_VALUE = 64 * 1024
 MAX_FILE_SIZE = 1 << 43
+XATTR_NAMESPACES = frozenset({"user", "trusted", "security", "system"})
 
 
 class BaseReader(Protocol):
@@ -209,6 +213,9 @@ class Root:
     base_identities: immutables.Map[tuple[int, int], int]  # (device, inode) -> ino
     referenced_bytes: int
     case_insensitive: bool
+    # Content sealed at this epoch is the volume's own; a snapshot keeps the
+    # epoch and the volume (and every clone) moves past it.
+    epoch: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -376,6 +383,19 @@ def _buffer_ids(inode: Inode | None) -> set[int]:
     return {e.buffer_id for e in inode.body.extents if isinstance(e, PageSpan)}
 
 
+def _metadata(inode: Inode | None) -> int:
+    """Metadata bytes an inode costs: the inode, its xattrs, its link target."""
+    if inode is None:
+        return 0
+    size = INODE_COST + sum(
+        len(name.encode("utf-8", "surrogateescape")) + len(value)
+        for name, value in inode.xattrs.items()
+    )
+    if isinstance(inode.body, SymlinkBody):
+        size += len(inode.body.target.encode("utf-8", "surrogateescape"))
+    return size
+
+
 def _referenced(inode: Inode | None) -> int:
     if inode is None or not isinstance(inode.body, FileBody):
         return 0
@@ -402,8 +422,7 @@ class Volume:
         self.unique_bytes = 0
         self.inflight_bytes = 0
         self._own_mark = root.next_ino  # inodes numbered from here were created here
-        self._own_inodes = 0
-        self._own_chunks: set[bytes] = set()
+        self.metadata_bytes = 0  # metadata of those inodes (inode, xattrs, link target)
         self._buffers: dict[int, bytearray] = {}
         self._next_buffer = 1
         self._handles: dict[int, int] = {}
@@ -423,19 +442,27 @@ class Volume:
         base: BaseReader | None = None,
         capacity: Capacity | None = None,
         case_insensitive: bool = False,
-        mode: int = 0o755,
-        uid: int = 0,
-        gid: int = 0,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
         time_ns: int = 0,
     ) -> Volume:
-        """A new volume: empty, or over a live base directory (read on demand)."""
+        """A new volume: empty, or over a live base directory (read on demand).
+
+        The root's mode and owner default to the base directory's (one stat
+        of the base root; pass them to avoid it, as journal replay does).
+        """
         base_path = None
         if base is not None:
-            top = base.stat("/")
-            if top is None or top.kind != Kind.DIR:
-                raise InvalidArgument("the base must be a directory")
-            mode, uid, gid = top.mode, top.uid, top.gid
             base_path = "/"
+            if mode is None or uid is None or gid is None:
+                top = base.stat("/")
+                if top is None or top.kind != Kind.DIR:
+                    raise InvalidArgument("the base must be a directory")
+                mode, uid, gid = top.mode, top.uid, top.gid
+        mode = 0o755 if mode is None else mode
+        uid = 0 if uid is None else uid
+        gid = 0 if gid is None else gid
         root_dir = Inode(
             ROOT_INO,
             Kind.DIR,
@@ -461,7 +488,8 @@ class Volume:
     @classmethod
     def clone(cls, snapshot: Snapshot, host: Host, capacity: Capacity | None = None) -> Volume:
         """A new volume whose root is the snapshot's root: O(1), nothing copied."""
-        return cls(host, snapshot.root, base=snapshot.base, capacity=capacity)
+        root = dataclasses.replace(snapshot.root, epoch=snapshot.root.epoch + 1)
+        return cls(host, root, base=snapshot.base, capacity=capacity)
 
     def close(self) -> None:
         """Release this volume's pages, metadata charge and quota reservation."""
@@ -472,14 +500,10 @@ class Volume:
         self._buffers.clear()
         self.host.charge(-(freed + self.metadata_bytes + self.inflight_bytes))
         self.inflight_bytes = 0
-        self._own_inodes = 0
+        self.metadata_bytes = 0
         self.host.close_account(self)
 
     # -- accounting -----------------------------------------------------------
-
-    @property
-    def metadata_bytes(self) -> int:
-        return self._own_inodes * INODE_COST
 
     @property
     def charged_bytes(self) -> int:
@@ -519,7 +543,7 @@ class Volume:
         total = 0
         for extent in inode.body.extents:
             if isinstance(extent, PageSpan) or (
-                isinstance(extent, ChunkSpan) and extent.chunk_id in self._own_chunks
+                isinstance(extent, ChunkSpan) and extent.epoch == self.root.epoch
             ):
                 total += extent.length
         return total
@@ -639,7 +663,7 @@ class Volume:
         referenced = self.root.referenced_bytes
         unique = self.unique_bytes
         page_delta = 0
-        own_delta = 0
+        meta_delta = 0
         dead_buffers: set[int] = set()
         for ino, old in txn.before.items():
             new = txn.inodes.get(ino)
@@ -648,7 +672,7 @@ class Volume:
             page_delta += _page_bytes(new) - _page_bytes(old)
             dead_buffers |= _buffer_ids(old) - _buffer_ids(new)
             if ino >= self._own_mark:
-                own_delta += (new is not None) - (old is not None)
+                meta_delta += _metadata(new) - _metadata(old)
             if new is not None and _buffer_ids(new):
                 self._dirty.add(ino)
             else:
@@ -657,16 +681,16 @@ class Volume:
                 self._handles.pop(ino, None)
         for buffer_id in dead_buffers:
             del self._buffers[buffer_id]
-        self.root = Root(
-            txn.inodes.finish(),
-            txn.next_ino,
-            txn.base_ids.finish(),
-            referenced,
-            self.root.case_insensitive,
+        self.root = dataclasses.replace(
+            self.root,
+            inodes=txn.inodes.finish(),
+            next_ino=txn.next_ino,
+            base_identities=txn.base_ids.finish(),
+            referenced_bytes=referenced,
         )
         self.unique_bytes = unique
-        self._own_inodes += own_delta
-        self.host.charge(page_delta + own_delta * INODE_COST)
+        self.metadata_bytes += meta_delta
+        self.host.charge(page_delta + meta_delta)
 
     def _new_inode(
         self, txn: _Txn, kind: Kind, mode: int, uid: int, gid: int, time_ns: int, body: Body
@@ -735,11 +759,22 @@ class Volume:
         if d.body.base_path is None or key in d.body.whiteouts:
             raise InvalidArgument("the directory shows no base entry by that name", name=r.name)
         e = r.entry
+        if e.path != posixpath.join(d.body.base_path, r.name):
+            raise InvalidArgument("the base entry's path does not match its name", name=r.name)
+        for value in (e.mode, e.uid, e.gid, e.size, e.rdev, e.nlink):
+            _check_count(value, "base entry field")
         identity = (e.fingerprint.device, e.fingerprint.inode)
         existing = txn.base_ids.get(identity)
-        if e.kind == Kind.FILE and existing is not None and existing in txn.inodes:
-            inode = txn.get(existing)  # another base name of the same file: a hard link
-            txn.put(dataclasses.replace(inode, nlink=inode.nlink + 1))
+        aliased = txn.inodes.get(existing) if existing is not None else None
+        if (
+            e.kind == Kind.FILE
+            and aliased is not None
+            and isinstance(aliased.body, FileBody)
+            and aliased.body.fingerprint == e.fingerprint
+        ):
+            # Another base name of the same file (a hard link): its nlink already
+            # counts this name.  A reused inode number has another fingerprint.
+            inode = aliased
         else:
             self.host.admit(self, INODE_COST)
             body: Body
@@ -759,7 +794,7 @@ class Volume:
                 e.mode & 0o7777,
                 e.uid,
                 e.gid,
-                2 if e.kind == Kind.DIR else 1,
+                2 if e.kind == Kind.DIR else max(1, e.nlink),
                 e.atime_ns,
                 e.mtime_ns,
                 e.ctime_ns,
@@ -788,15 +823,19 @@ class Volume:
         body: Body,
     ) -> Attr:
         key = self._free_key(txn, parent, name)
-        self.host.admit(self, INODE_COST)
+        for value in (mode, uid, gid):
+            _check_count(value, "mode and owner")
         inode = self._new_inode(txn, kind, mode, uid, gid, time_ns, body)
+        self.host.admit(self, _metadata(inode))
         txn.put(inode)
         self._set_entry(txn, parent, key, Entry(name, inode.ino))
         self._touch_dir(txn, parent, time_ns, 1 if kind == Kind.DIR else 0)
         return self._attr(inode)
 
     def _check_symlink(self, target: str) -> None:
-        if not target or "\0" in target:
+        if not target:
+            raise NotFound("a symbolic link needs a target")  # Linux: ENOENT
+        if "\0" in target:
             raise InvalidArgument("invalid symlink target")
         if len(target.encode("utf-8", "surrogateescape")) > MAX_SYMLINK_BYTES:
             raise NameTooLong("symlink target is too long")
@@ -1021,8 +1060,6 @@ class Volume:
         _check_count(r.size, "size")
         if r.size > MAX_FILE_SIZE:
             raise FileTooLarge("size beyond the maximum file size", size=r.size)
-        if r.size == body.size:
-            return
         extents = body.extents
         if r.size < body.size:
             kept: list[Extent] = []
@@ -1061,17 +1098,24 @@ class Volume:
     def _setxattr(self, txn: _Txn, r: SetXattr) -> None:
         inode = txn.get(r.ino)
         if not r.name or len(r.name.encode("utf-8", "surrogateescape")) > MAX_XATTR_NAME:
-            raise InvalidArgument("invalid extended attribute name")
+            raise OutOfRange("invalid extended attribute name length")  # Linux: ERANGE
+        if r.name.split(".", 1)[0] not in XATTR_NAMESPACES or "." not in r.name:
+            raise NotSupported("unsupported extended attribute namespace", name=r.name)
         if len(r.value) > MAX_XATTR_VALUE:
-            raise InvalidArgument("extended attribute value is too large")
+            raise TooBig("extended attribute value is too large")  # Linux: E2BIG
+        if r.flags & ~(XATTR_CREATE | XATTR_REPLACE) or r.flags == XATTR_CREATE | XATTR_REPLACE:
+            raise InvalidArgument("invalid extended attribute flags", flags=r.flags)
         present = r.name in inode.xattrs
         if r.flags & XATTR_CREATE and present:
             raise AlreadyExists("attribute exists", name=r.name)
         if r.flags & XATTR_REPLACE and not present:
             raise NoSuchAttribute("no such attribute", name=r.name)
-        txn.put(
-            dataclasses.replace(inode, xattrs=inode.xattrs.set(r.name, r.value), ctime_ns=r.time_ns)
+        updated = dataclasses.replace(
+            inode, xattrs=inode.xattrs.set(r.name, r.value), ctime_ns=r.time_ns
         )
+        if r.ino >= self._own_mark:
+            self.host.admit(self, _metadata(updated) - _metadata(inode))
+        txn.put(updated)
 
     def _removexattr(self, txn: _Txn, r: RemoveXattr) -> None:
         inode = txn.get(r.ino)
@@ -1122,8 +1166,7 @@ class Volume:
                     chunks_new += new
                     chunks_shared += not new
                     sealed += hi - lo
-                    self._own_chunks.add(chunk_id)
-                    extents.append(ChunkSpan(lo, hi - lo, chunk_id, 0))
+                    extents.append(ChunkSpan(lo, hi - lo, chunk_id, 0, self.root.epoch))
             files += 1
             txn.put(
                 dataclasses.replace(inode, body=dataclasses.replace(body, extents=tuple(extents)))
@@ -1135,18 +1178,29 @@ class Volume:
         if not isinstance(r.snapshot_id, str) or not r.snapshot_id:
             raise InvalidArgument("a snapshot needs an id")
         self._seal()
-        inodes = self.root.inodes
+        root = self.root
+        inodes, base_ids, referenced = root.inodes, root.base_identities, root.referenced_bytes
         for ino in self._handles:
             inode = inodes.get(ino)
             if inode is not None and inode.nlink == 0:
-                inodes = inodes.delete(ino)  # open but unlinked: not part of the tree
-        snapshot = Snapshot(r.snapshot_id, dataclasses.replace(self.root, inodes=inodes), self.base)
+                # Open but unlinked: not part of the tree the snapshot names.
+                inodes = inodes.delete(ino)
+                referenced -= _referenced(inode)
+                body = inode.body
+                if isinstance(body, FileBody) and body.fingerprint is not None:
+                    identity = (body.fingerprint.device, body.fingerprint.inode)
+                    if base_ids.get(identity) == ino:
+                        base_ids = base_ids.delete(identity)
+        frozen = dataclasses.replace(
+            root, inodes=inodes, base_identities=base_ids, referenced_bytes=referenced
+        )
+        snapshot = Snapshot(r.snapshot_id, frozen, self.base)
         # What was created so far now belongs to the snapshot.
         self.host.hand_over_metadata(self.metadata_bytes)
-        self._own_inodes = 0
-        self._own_mark = self.root.next_ino
-        self._own_chunks.clear()
+        self.metadata_bytes = 0
+        self._own_mark = root.next_ino
         self.unique_bytes = 0
+        self.root = dataclasses.replace(root, epoch=root.epoch + 1)
         return snapshot
 
     # -- queries --------------------------------------------------------------

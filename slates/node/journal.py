@@ -1,0 +1,271 @@
+"""Anchor-owned shared memory: the journal, checkpoints and the chunk arena.
+
+Theory of operation: the anchor creates three memfd segments per shard and
+keeps them open; the shard maps them.  A SIGKILLed shard loses nothing
+that these segments hold, and its replacement maps the same segments.
+
+- Journal: append-only frames [length u32][crc32 u32][payload], each one
+  commit.  A frame counts only once the header's `committed` offset covers
+  it, and that offset is one aligned 8-byte store made after the frame's
+  bytes are in place: a shard killed mid-append leaves the frame out, so
+  the request it belonged to was never answered and its retry runs it.
+- Checkpoints: two slots; a checkpoint is written into the inactive slot
+  and published by one aligned 4-byte store of the active-slot index.  It
+  records the journal generation it covers; starting a new generation
+  empties the journal.  A crash between the two steps leaves a journal of
+  an older generation, which replay ignores (the checkpoint covers it).
+- Arena: sealed chunks, append-only [id 32][length u32][crc32 u32][data],
+  indexed by id on attach; a deletion appends a tombstone.
+
+Every segment has a fixed virtual size (memfds are sparse: untouched
+pages cost nothing) and filling one is a visible CapacityExhausted, never
+unbounded growth.  Bytes read back are checked (magic, bounds, CRC):
+damage raises VerificationFailed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Iterator, MutableMapping
+
+from slates.errors import CapacityExhausted, MissingContent, VerificationFailed
+
+__all__ = ["Segment", "Journal", "Checkpoints", "ArenaChunks", "create_segment"]
+
+_PAGE = mmap.PAGESIZE
+
+
+def create_segment(name: str, size: int) -> int:
+    """A new sparse memfd of `size` bytes (the anchor calls this)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    return fd
+
+
+class Segment:
+    """A shared mapping of a whole memfd."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+        self.map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def release(self, start: int, end: int) -> None:
+        """Give the pages of [start, end) back to the kernel (they read as zeros)."""
+        start = -(-start // _PAGE) * _PAGE
+        end = end // _PAGE * _PAGE
+        if end > start:
+            self.map.madvise(mmap.MADV_REMOVE, start, end - start)
+
+    def close(self) -> None:
+        self.map.close()
+
+
+_JOURNAL_HEADER = struct.Struct("<8sIIQQ")  # magic, version, pad, generation, committed
+_JOURNAL_MAGIC = b"SLJRNL01"
+_FRAME = struct.Struct("<II")
+_JOURNAL_START = _PAGE
+
+
+class Journal:
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        magic, version, _pad, _generation, committed = _JOURNAL_HEADER.unpack_from(segment.map, 0)
+        if magic == bytes(8):
+            self._write_header(0, 0)
+        elif magic != _JOURNAL_MAGIC or version != 1:
+            raise VerificationFailed("the journal segment is not a Slates journal")
+        elif not 0 <= committed <= segment.size - _JOURNAL_START:
+            raise VerificationFailed("the journal's committed offset is out of bounds")
+
+    def _write_header(self, generation: int, committed: int) -> None:
+        _JOURNAL_HEADER.pack_into(self.segment.map, 0, _JOURNAL_MAGIC, 1, 0, generation, committed)
+
+    @property
+    def generation(self) -> int:
+        value: int = _JOURNAL_HEADER.unpack_from(self.segment.map, 0)[3]
+        return value
+
+    @property
+    def committed(self) -> int:
+        value: int = _JOURNAL_HEADER.unpack_from(self.segment.map, 0)[4]
+        return value
+
+    @property
+    def room(self) -> int:
+        return self.segment.size - _JOURNAL_START - self.committed
+
+    def append(self, payload: bytes) -> None:
+        committed = self.committed
+        need = _FRAME.size + len(payload)
+        if need > self.room:
+            raise CapacityExhausted("the journal segment is full", needed=need, room=self.room)
+        at = _JOURNAL_START + committed
+        mm = self.segment.map
+        _FRAME.pack_into(mm, at, len(payload), zlib.crc32(payload))
+        mm[at + _FRAME.size : at + need] = payload
+        # The commit point: one aligned 8-byte store.
+        struct.pack_into("<Q", mm, 24, committed + need)
+
+    def entries(self) -> Iterator[bytes]:
+        mm = self.segment.map
+        end = _JOURNAL_START + self.committed
+        at = _JOURNAL_START
+        while at < end:
+            length, crc = _FRAME.unpack_from(mm, at)
+            start = at + _FRAME.size
+            if start + length > end:
+                raise VerificationFailed("a journal frame runs past the committed end", at=at)
+            payload = bytes(mm[start : start + length])
+            if zlib.crc32(payload) != crc:
+                raise VerificationFailed("a journal frame fails its checksum", at=at)
+            yield payload
+            at = start + length
+
+    def start_generation(self, generation: int) -> None:
+        used = self.committed
+        self._write_header(generation, 0)
+        self.segment.release(_JOURNAL_START, _JOURNAL_START + used)
+
+
+_CHECKPOINT_HEADER = struct.Struct("<8sII")  # magic, version, active slot (0, 1, or 2 = none)
+_SLOT = struct.Struct("<QQI")  # generation, length, crc32
+_CHECKPOINT_MAGIC = b"SLCKPT01"
+_NO_SLOT = 2
+
+
+class Checkpoints:
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        self.slot_size = (segment.size - _PAGE) // 2 // _PAGE * _PAGE
+        magic, version, active = _CHECKPOINT_HEADER.unpack_from(segment.map, 0)
+        if magic == bytes(8):
+            _CHECKPOINT_HEADER.pack_into(segment.map, 0, _CHECKPOINT_MAGIC, 1, _NO_SLOT)
+        elif magic != _CHECKPOINT_MAGIC or version != 1 or active > _NO_SLOT:
+            raise VerificationFailed("the checkpoint segment is not a Slates checkpoint")
+
+    def _active(self) -> int:
+        value: int = _CHECKPOINT_HEADER.unpack_from(self.segment.map, 0)[2]
+        return value
+
+    def _slot_offset(self, slot: int) -> int:
+        return _PAGE + slot * self.slot_size
+
+    def read(self) -> tuple[int, bytes] | None:
+        """The published checkpoint as (journal generation it covers, blob), if any."""
+        active = self._active()
+        if active == _NO_SLOT:
+            return None
+        generation, length, crc = _SLOT.unpack_from(
+            self.segment.map, _CHECKPOINT_HEADER.size + active * _SLOT.size
+        )
+        if length > self.slot_size:
+            raise VerificationFailed("the checkpoint length is out of bounds")
+        start = self._slot_offset(active)
+        blob = bytes(self.segment.map[start : start + length])
+        if zlib.crc32(blob) != crc:
+            raise VerificationFailed("the checkpoint fails its checksum")
+        return generation, blob
+
+    def write(self, generation: int, blob: bytes) -> None:
+        if len(blob) > self.slot_size:
+            raise CapacityExhausted("the checkpoint does not fit its segment", size=len(blob))
+        active = self._active()
+        slot = 0 if active != 0 else 1
+        start = self._slot_offset(slot)
+        mm = self.segment.map
+        mm[start : start + len(blob)] = blob
+        _SLOT.pack_into(
+            mm, _CHECKPOINT_HEADER.size + slot * _SLOT.size, generation, len(blob), zlib.crc32(blob)
+        )
+        struct.pack_into("<I", mm, 12, slot)  # the publish point: one aligned 4-byte store
+        if active != _NO_SLOT:
+            old = self._slot_offset(active)
+            self.segment.release(old, old + self.slot_size)
+
+
+_ARENA_HEADER = struct.Struct("<8sIIQ")  # magic, version, pad, committed
+_ARENA_MAGIC = b"SLARENA1"
+_CHUNK = struct.Struct("<32sII")  # id, length (TOMBSTONE for deletions), crc32
+_TOMBSTONE = 0xFFFFFFFF
+_ARENA_START = _PAGE
+
+
+class ArenaChunks(MutableMapping[bytes, bytes]):
+    """The host's chunk store, kept in an anchor-owned segment."""
+
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        self._index: dict[bytes, tuple[int, int]] = {}
+        magic, version, _pad, committed = _ARENA_HEADER.unpack_from(segment.map, 0)
+        if magic == bytes(8):
+            _ARENA_HEADER.pack_into(segment.map, 0, _ARENA_MAGIC, 1, 0, 0)
+            return
+        if magic != _ARENA_MAGIC or version != 1 or committed > segment.size - _ARENA_START:
+            raise VerificationFailed("the arena segment is not a Slates arena")
+        at, end = _ARENA_START, _ARENA_START + committed
+        while at < end:
+            chunk_id, length, _crc = _CHUNK.unpack_from(segment.map, at)
+            if length == _TOMBSTONE:
+                self._index.pop(chunk_id, None)
+                at += _CHUNK.size
+                continue
+            if at + _CHUNK.size + length > end:
+                raise VerificationFailed("an arena entry runs past the committed end", at=at)
+            self._index[chunk_id] = (at + _CHUNK.size, length)
+            at += _CHUNK.size + -(-length // 8) * 8
+
+    @property
+    def _committed(self) -> int:
+        value: int = _ARENA_HEADER.unpack_from(self.segment.map, 0)[3]
+        return value
+
+    def _append(self, chunk_id: bytes, length: int, crc: int, data: bytes | bytearray) -> int:
+        committed = self._committed
+        at = _ARENA_START + committed
+        size = _CHUNK.size + -(-len(data) // 8) * 8
+        if at + size > self.segment.size:
+            raise CapacityExhausted("the content arena is full", needed=size)
+        mm = self.segment.map
+        _CHUNK.pack_into(mm, at, chunk_id, length, crc)
+        mm[at + _CHUNK.size : at + _CHUNK.size + len(data)] = data
+        struct.pack_into("<Q", mm, 16, committed + size)
+        return at + _CHUNK.size
+
+    def __getitem__(self, chunk_id: bytes) -> bytes:
+        where = self._index.get(chunk_id)
+        if where is None:
+            raise KeyError(chunk_id)
+        start, length = where
+        return bytes(self.segment.map[start : start + length])
+
+    def verify(self, chunk_id: bytes) -> None:
+        """Check a chunk's bytes against its checksum (MissingContent if damaged)."""
+        start, length = self._index[chunk_id]
+        _id, _length, crc = _CHUNK.unpack_from(self.segment.map, start - _CHUNK.size)
+        if zlib.crc32(self.segment.map[start : start + length]) != crc:
+            raise MissingContent("a chunk in the arena is damaged", chunk=chunk_id.hex())
+
+    def __setitem__(self, chunk_id: bytes, data: bytes) -> None:
+        if chunk_id in self._index:
+            return
+        start = self._append(chunk_id, len(data), zlib.crc32(data), data)
+        self._index[chunk_id] = (start, len(data))
+
+    def __delitem__(self, chunk_id: bytes) -> None:
+        if chunk_id not in self._index:
+            raise KeyError(chunk_id)
+        self._append(chunk_id, _TOMBSTONE, 0, b"")
+        del self._index[chunk_id]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self._index))
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, chunk_id: object) -> bool:
+        return chunk_id in self._index

@@ -1,0 +1,159 @@
+"""The wire protocol between clients and daemon shards.
+
+Theory of operation: every message is one msgpack map.  On the unix socket
+a message travels as a frame (4-byte big-endian length, then the map);
+over a ring pair it is one ring message.  A connection starts with a
+hello on the socket naming the client; the shard checks the peer's
+credentials, answers, and (when asked) passes the four fds of a ring pair
+with its answer; requests then flow over the rings while the socket stays
+open only to tell each side that the other is alive.
+
+Request identity is (client id, sequence number), never the connection: a
+client that reconnects sends the same id and retries its unanswered
+sequence numbers, and the shard answers from its saved results.  Each
+request carries `ack`, the highest sequence number below which the client
+has every reply; the shard then forgets those results, and a later retry
+of one of them gets RequestExpired.
+
+Everything read from a peer is validated here; a malformed message is an
+InvalidArgument, never a crash.  Sizes are bounded (MAX_FRAME).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import struct
+from typing import Any
+
+import msgpack
+
+from slates.errors import InvalidArgument, SlatesError, error_from_wire
+
+__all__ = [
+    "MAX_FRAME",
+    "MAX_CLIENT_ID",
+    "Hello",
+    "Request",
+    "Reply",
+    "pack",
+    "unpack",
+    "frame",
+    "FrameReader",
+    "parse_hello",
+    "parse_request",
+    "parse_reply",
+    "ok_reply",
+    "error_reply",
+]
+
+MAX_FRAME = 64 << 20
+MAX_CLIENT_ID = 128
+_LENGTH = struct.Struct(">I")
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    out: bytes = msgpack.packb(message, use_bin_type=True, unicode_errors="surrogateescape")
+    return out
+
+
+def unpack(payload: bytes) -> dict[str, Any]:
+    try:
+        message = msgpack.unpackb(
+            payload, raw=False, strict_map_key=False, unicode_errors="surrogateescape"
+        )
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise InvalidArgument("undecodable message", reason=str(exc)) from None
+    if not isinstance(message, dict):
+        raise InvalidArgument("a message must be a map")
+    return message
+
+
+def frame(payload: bytes) -> bytes:
+    if len(payload) > MAX_FRAME:
+        raise InvalidArgument("message too large", size=len(payload), limit=MAX_FRAME)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+class FrameReader:
+    """Reassembles frames from stream chunks; bounded by MAX_FRAME."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._frames: collections.deque[bytes] = collections.deque()
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+        while len(self._buffer) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._buffer)
+            if length > MAX_FRAME:
+                raise InvalidArgument("frame too large", size=length, limit=MAX_FRAME)
+            if len(self._buffer) < _LENGTH.size + length:
+                break
+            self._frames.append(bytes(self._buffer[_LENGTH.size : _LENGTH.size + length]))
+            del self._buffer[: _LENGTH.size + length]
+
+    def next_frame(self) -> bytes | None:
+        return self._frames.popleft() if self._frames else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hello:
+    client: str
+    rings: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+    seq: int
+    ack: int
+    op: str
+    args: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reply:
+    seq: int
+    ok: bool
+    result: Any
+    error: SlatesError | None
+
+
+def _field(message: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    value = message.get(key)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise InvalidArgument("malformed message field", field=key)
+    return value
+
+
+def parse_hello(message: dict[str, Any]) -> Hello:
+    client = _field(message, "client", str)
+    if not client or len(client) > MAX_CLIENT_ID:
+        raise InvalidArgument("a client id is 1 to 128 characters")
+    return Hello(client, bool(message.get("rings", False)))
+
+
+def parse_request(message: dict[str, Any]) -> Request:
+    seq = _field(message, "seq", int)
+    ack = _field(message, "ack", int)
+    if seq < 1 or not 0 <= ack < seq:
+        raise InvalidArgument("sequence numbers start at 1 and ack lies below seq")
+    return Request(seq, ack, _field(message, "op", str), _field(message, "args", dict))
+
+
+def parse_reply(message: dict[str, Any]) -> Reply:
+    seq = _field(message, "seq", int)
+    if message.get("ok") is True:
+        return Reply(seq, True, message.get("result"), None)
+    error = message.get("error")
+    if not isinstance(error, dict):
+        raise InvalidArgument("malformed error reply")
+    return Reply(seq, False, None, error_from_wire(error))
+
+
+def ok_reply(seq: int, result: Any) -> dict[str, Any]:
+    return {"seq": seq, "ok": True, "result": result}
+
+
+def error_reply(seq: int, error: SlatesError) -> dict[str, Any]:
+    return {"seq": seq, "ok": False, "error": error.to_wire()}

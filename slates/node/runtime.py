@@ -1,0 +1,113 @@
+"""Where a host's Slates service lives: the runtime directory and its files.
+
+Theory of operation: the anchor creates one runtime directory (mode 0700)
+holding its state file (`anchor.json`: pids, shard count, socket paths),
+one listening unix socket per shard, and its log.  Clients find the
+service by reading the state file; nothing else is shared through the file
+system.  The directory is chosen by, in order: an explicit argument,
+$SLATES_RUNTIME_DIR, /run/slates for root, $XDG_RUNTIME_DIR/slates, and
+/tmp/slates-<uid>.  Called by the anchor, shards, SDK and CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slates.errors import AccessDenied, InvalidArgument, NotFound
+
+__all__ = ["Runtime", "default_runtime_dir", "AnchorState", "ShardInfo"]
+
+
+def default_runtime_dir() -> Path:
+    explicit = os.environ.get("SLATES_RUNTIME_DIR")
+    if explicit:
+        return Path(explicit)
+    if os.geteuid() == 0:
+        return Path("/run/slates")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "slates"
+    return Path(f"/tmp/slates-{os.geteuid()}")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    index: int
+    pid: int
+    socket: str
+    restarts: int
+
+
+@dataclass(frozen=True, slots=True)
+class AnchorState:
+    pid: int
+    shards: tuple[ShardInfo, ...]
+    capacity: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "capacity": self.capacity,
+            "shards": [
+                {"index": s.index, "pid": s.pid, "socket": s.socket, "restarts": s.restarts}
+                for s in self.shards
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AnchorState:
+        try:
+            shards = tuple(
+                ShardInfo(int(s["index"]), int(s["pid"]), str(s["socket"]), int(s["restarts"]))
+                for s in data["shards"]
+            )
+            return cls(int(data["pid"]), shards, int(data["capacity"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument("malformed anchor state file", reason=str(exc)) from None
+
+
+class Runtime:
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(path) if path is not None else default_runtime_dir()
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / "anchor.json"
+
+    def shard_socket(self, index: int) -> Path:
+        return self.path / f"shard-{index}.sock"
+
+    @property
+    def log_file(self) -> Path:
+        return self.path / "anchor.log"
+
+    def prepare(self) -> None:
+        """Create the directory 0700, or check that an existing one is private and ours."""
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = self.path.stat()
+        if st.st_uid != os.geteuid():
+            raise AccessDenied("the runtime directory belongs to another user", path=str(self.path))
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(self.path, 0o700)
+
+    def write_state(self, state: AnchorState) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state.to_json()))
+        os.replace(tmp, self.state_file)
+
+    def read_state(self) -> AnchorState:
+        try:
+            data = json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            raise NotFound(
+                "no Slates anchor is running here; start one with `slates anchor`",
+                runtime_dir=str(self.path),
+            ) from None
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument("malformed anchor state file", reason=str(exc)) from None
+        return AnchorState.from_json(data)

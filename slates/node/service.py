@@ -1,0 +1,523 @@
+"""One shard's service: volumes, snapshots and saved results, as a machine over events.
+
+Theory of operation: a daemon shard owns some volumes.  This class is its
+whole logic, with no I/O of its own (the base reader it is given reads
+source directories): `handle` turns one client request into a reply plus
+the list of *events* that changed state; the driver commits those events
+to the journal as one frame, and only then sends the reply.  `replay`
+applies committed events to rebuild the same state after a crash, and
+`checkpoint`/`restore` bound how many events replay must read.
+
+Events are plain lists:
+    ["new", vid, name, base_key, bounded, limit, case_insensitive, mode, uid, gid, time_ns]
+    ["rec", vid, encoded record]      a record applied to a volume
+    ["clone", vid, name, snapshot_id, bounded, limit]
+    ["drop", vid]                     a volume deleted
+    ["done", client, seq, reply]      the saved reply of a mutating request
+    ["ack", client, upto]             replies the client has received
+Everything an event needs from outside (base facts, times) is inside it,
+so replay needs no base directory except to serve later reads.
+
+Request identity is (client, seq).  A retry of a saved request returns the
+saved reply; a retry at or below the client's acknowledgement gets
+RequestExpired.  Saved replies per client are bounded (MAX_UNACKED).
+
+Ids name their shard: "vol-<shard>-<n>", "snap-<shard>-<n>", so a client
+routes by id without any lookup.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgpack
+
+from slates.base.capturing import capture_into
+from slates.core import checkpoint
+from slates.core.host import Host
+from slates.core.records import Attr, Kind, Record, TakeSnapshot, decode, encode
+from slates.core.volume import BaseReader, Capacity, Snapshot, Volume, chunk_ids
+from slates.errors import (
+    InvalidArgument,
+    IsADirectory,
+    MissingContent,
+    NotFound,
+    RequestExpired,
+    SlatesError,
+    VerificationFailed,
+    error_from_wire,
+)
+from slates.node.protocol import Request, error_reply, ok_reply
+
+__all__ = ["ShardService", "MAX_UNACKED", "READ_ONLY_OPS", "shard_of"]
+
+MAX_UNACKED = 1024
+READ_ONLY_OPS = frozenset(
+    {"status", "volume.list", "volume.show", "read", "list", "stat", "readlink"}
+)
+Event = list[Any]
+
+
+def shard_of(object_id: str) -> int:
+    """The shard that owns a volume or snapshot id."""
+    parts = object_id.split("-")
+    if len(parts) != 3 or parts[0] not in ("vol", "snap") or not parts[1].isdigit():
+        raise InvalidArgument("malformed volume or snapshot id", id=object_id)
+    return int(parts[1])
+
+
+def _attr_dict(attr: Attr) -> dict[str, Any]:
+    return {
+        "ino": attr.ino,
+        "kind": attr.kind.name.lower(),
+        "mode": attr.mode,
+        "nlink": attr.nlink,
+        "uid": attr.uid,
+        "gid": attr.gid,
+        "size": attr.size,
+        "mtime_ns": attr.mtime_ns,
+        "ctime_ns": attr.ctime_ns,
+    }
+
+
+def _int_arg(args: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = args.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"{key} must be a non-negative integer", value=str(value))
+    return value
+
+
+def _str_arg(args: dict[str, Any], key: str) -> str:
+    value = args.get(key)
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{key} is required", field=key)
+    return value
+
+
+def _path_arg(args: dict[str, Any], key: str = "path") -> str:
+    path = _str_arg(args, key)
+    if not path.startswith("/"):
+        raise InvalidArgument("paths are absolute", path=path)
+    return posixpath.normpath(path).replace("//", "/")
+
+
+def _capacity(args: dict[str, Any]) -> Capacity:
+    bounded, dynamic = args.get("bounded"), args.get("dynamic")
+    if bounded is not None and dynamic is not None:
+        raise InvalidArgument("choose --bounded or --dynamic, not both")
+    if bounded is not None:
+        return Capacity.reserved(_int_arg(args, "bounded"))
+    if dynamic is not None:
+        return Capacity.dynamic(_int_arg(args, "dynamic"))
+    return Capacity.dynamic()
+
+
+class ShardService:
+    def __init__(self, index: int, host: Host, open_base: Callable[[str], BaseReader]) -> None:
+        self.index = index
+        self.host = host
+        self.open_base = open_base
+        self.volumes: dict[str, Volume] = {}
+        self.names: dict[str, str] = {}  # volume id -> name
+        self.base_keys: dict[str, str | None] = {}
+        self.snapshots: dict[str, Snapshot] = {}
+        self.failed: dict[str, SlatesError] = {}  # volumes recovery could not rebuild
+        self.results: dict[str, dict[int, dict[str, Any]]] = {}
+        self.acked: dict[str, int] = {}
+        self.next_id = 1
+        self._events: list[Event] = []
+
+    # -- requests -------------------------------------------------------------
+
+    def handle(
+        self, client: str, request: Request, now_ns: int
+    ) -> tuple[dict[str, Any], list[Event]]:
+        """Run one request; returns (reply, events to commit before replying)."""
+        self._events = []
+        if request.seq <= self.acked.get(client, 0):
+            expired = RequestExpired("the request was already acknowledged", seq=request.seq)
+            return error_reply(request.seq, expired), []
+        saved = self.results.get(client, {}).get(request.seq)
+        if saved is not None:
+            return saved, []
+        if request.ack > self.acked.get(client, 0):
+            self._emit(["ack", client, request.ack])
+        mutating = request.op not in READ_ONLY_OPS
+        if mutating and len(self.results.get(client, {})) >= MAX_UNACKED:
+            error = InvalidArgument("too many unacknowledged requests", limit=MAX_UNACKED)
+            return error_reply(request.seq, error), self._take_events()
+        try:
+            reply = ok_reply(request.seq, self._run(request.op, request.args, now_ns))
+        except SlatesError as exc:
+            reply = error_reply(request.seq, exc)
+        if mutating:
+            self._emit(["done", client, request.seq, reply])
+        return reply, self._take_events()
+
+    def _take_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+    def _emit(self, event: Event) -> None:
+        self._events.append(event)
+        self._apply_event(event, live=True)
+
+    def _watch(self, vid: str, volume: Volume) -> None:
+        def on_applied(record: Record, result: object) -> None:
+            self._events.append(["rec", vid, encode(record)])
+            self._after_record(record, result)
+
+        volume.on_applied = on_applied
+
+    def _after_record(self, record: Record, result: object) -> None:
+        if isinstance(record, TakeSnapshot) and isinstance(result, Snapshot):
+            self.snapshots[result.snapshot_id] = result
+            self._saw_id(result.snapshot_id)
+
+    def _saw_id(self, object_id: str) -> None:
+        """Ids are never reused, also after replay."""
+        self.next_id = max(self.next_id, int(object_id.rsplit("-", 1)[1]) + 1)
+
+    def _new_id(self, kind: str) -> str:
+        object_id = f"{kind}-{self.index}-{self.next_id}"
+        self.next_id += 1
+        return object_id
+
+    def _volume(self, args: dict[str, Any]) -> tuple[str, Volume]:
+        vid = _str_arg(args, "volume")
+        if vid in self.failed:
+            raise self.failed[vid]
+        volume = self.volumes.get(vid)
+        if volume is None:
+            raise NotFound("no such volume", volume=vid)
+        return vid, volume
+
+    def _run(self, op: str, args: dict[str, Any], now: int) -> Any:
+        match op:
+            case "status":
+                return self.status()
+            case "volume.list":
+                return [self.info(vid) for vid in sorted(self.volumes)]
+            case "volume.show":
+                vid, _volume = self._volume(args)
+                return self.info(vid)
+            case "volume.create":
+                return self._create_volume(args, now)
+            case "volume.delete":
+                vid, _volume = self._volume(args)
+                self._emit(["drop", vid])
+                return {"deleted": vid}
+            case "clone":
+                return self._clone(args)
+            case "snapshot":
+                vid, volume = self._volume(args)
+                snapshot = volume.snapshot(self._new_id("snap"))
+                return {"id": snapshot.snapshot_id, "volume": vid}
+            case "seal":
+                _vid, volume = self._volume(args)
+                report = volume.seal()
+                return {
+                    "files": report.files,
+                    "chunks_new": report.chunks_new,
+                    "chunks_shared": report.chunks_shared,
+                    "bytes_sealed": report.bytes_sealed,
+                }
+            case _:
+                return self._run_file_op(op, args, now)
+
+    def _run_file_op(self, op: str, args: dict[str, Any], now: int) -> Any:
+        _vid, volume = self._volume(args)
+        match op:
+            case "read":
+                ino = volume.resolve(_path_arg(args))
+                size = args.get("size")
+                limit = volume.getattr(ino).size if size is None else _int_arg(args, "size")
+                return volume.read(ino, _int_arg(args, "offset", 0), limit)
+            case "stat":
+                return _attr_dict(volume.getattr(volume.resolve(_path_arg(args))))
+            case "list":
+                ino = volume.resolve(_path_arg(args))
+                return [
+                    {"name": item.name, "kind": item.kind.name.lower()}
+                    for item in volume.readdir(ino)
+                ]
+            case "readlink":
+                return volume.readlink(volume.resolve(_path_arg(args)))
+            case "write":
+                return self._write(volume, args, now)
+            case "truncate":
+                volume.truncate(
+                    volume.resolve(_path_arg(args)), _int_arg(args, "size"), time_ns=now
+                )
+                return {}
+            case "mkdir":
+                parent, name = self._parent(volume, _path_arg(args))
+                mode = _int_arg(args, "mode", 0o755)
+                return _attr_dict(volume.mkdir(parent, name, mode, time_ns=now))
+            case "symlink":
+                parent, name = self._parent(volume, _path_arg(args))
+                target = _str_arg(args, "target")
+                return _attr_dict(volume.symlink(parent, name, target, time_ns=now))
+            case "unlink":
+                parent, name = self._parent(volume, _path_arg(args))
+                volume.unlink(parent, name, time_ns=now)
+                return {}
+            case "rmdir":
+                parent, name = self._parent(volume, _path_arg(args))
+                volume.rmdir(parent, name, time_ns=now)
+                return {}
+            case "rename":
+                src_parent, src_name = self._parent(volume, _path_arg(args, "src"))
+                dst_parent, dst_name = self._parent(volume, _path_arg(args, "dst"))
+                volume.rename(src_parent, src_name, dst_parent, dst_name, time_ns=now)
+                return {}
+            case _:
+                raise InvalidArgument("unknown operation", op=op)
+
+    @staticmethod
+    def _parent(volume: Volume, path: str) -> tuple[int, str]:
+        head, name = posixpath.split(path)
+        if not name:
+            raise InvalidArgument("the root has no parent", path=path)
+        return volume.resolve(head), name
+
+    def _write(self, volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
+        path = _path_arg(args)
+        data = args.get("data")
+        if not isinstance(data, bytes):
+            raise InvalidArgument("data must be bytes")
+        parent, name = self._parent(volume, path)
+        try:
+            ino = volume.lookup(parent, name).ino
+        except NotFound:
+            if not args.get("create", True):
+                raise
+            ino = volume.create(parent, name, _int_arg(args, "mode", 0o644), time_ns=now).ino
+        if volume.getattr(ino).kind == Kind.DIR:
+            raise IsADirectory("is a directory", path=path)
+        if args.get("truncate", False):
+            volume.truncate(ino, 0, time_ns=now)
+        written = volume.write(ino, _int_arg(args, "offset", 0), data, time_ns=now)
+        return {"written": written, "ino": ino}
+
+    def _create_volume(self, args: dict[str, Any], now: int) -> dict[str, Any]:
+        name = _str_arg(args, "name")
+        capacity = _capacity(args)
+        case_insensitive = bool(args.get("case_insensitive", False))
+        base_path, source = args.get("base"), args.get("from")
+        if base_path is not None and source is not None:
+            raise InvalidArgument("a volume starts from a base directory or a snapshot, not both")
+        if source is not None:
+            return self._clone({"snapshot": source, "name": name, **args})
+        if base_path is None:
+            return self._new_volume(name, None, capacity, case_insensitive, now)
+        if not isinstance(base_path, str) or not base_path.startswith("/"):
+            raise InvalidArgument("the base is an absolute directory path", base=str(base_path))
+        if not args.get("capture", False):
+            return self._new_volume(name, base_path, capacity, case_insensitive, now)
+        scratch = self._new_volume(f"{name} (capturing)", None, capacity, case_insensitive, now)
+        vid = scratch["id"]
+        try:
+            volume = self.volumes[vid]
+            snapshot = capture_into(base_path, volume, snapshot_id=self._new_id("snap"))
+        finally:
+            self._emit(["drop", vid])
+        return self._clone(
+            {"snapshot": snapshot.snapshot_id, "name": name, **args}, capacity=capacity
+        )
+
+    def _new_volume(
+        self, name: str, base_key: str | None, capacity: Capacity, ci: bool, now: int
+    ) -> dict[str, Any]:
+        mode, uid, gid = 0o755, 0, 0
+        if base_key is not None:
+            top = self.open_base(base_key).stat("/")
+            if top is None or top.kind != Kind.DIR:
+                raise InvalidArgument("the base must be a directory", base=base_key)
+            mode, uid, gid = top.mode, top.uid, top.gid
+        vid = self._new_id("vol")
+        self._emit(
+            ["new", vid, name, base_key, capacity.bounded, capacity.limit, ci, mode, uid, gid, now]
+        )
+        return self.info(vid)
+
+    def _clone(self, args: dict[str, Any], capacity: Capacity | None = None) -> dict[str, Any]:
+        snapshot_id = _str_arg(args, "snapshot")
+        if snapshot_id not in self.snapshots:
+            raise NotFound("no such snapshot on this shard", snapshot=snapshot_id)
+        capacity = capacity or _capacity(args)
+        vid = self._new_id("vol")
+        self._emit(
+            ["clone", vid, _str_arg(args, "name"), snapshot_id, capacity.bounded, capacity.limit]
+        )
+        return self.info(vid)
+
+    # -- events ---------------------------------------------------------------
+
+    def replay(self, events: Iterable[Event]) -> None:
+        """Apply committed events (recovery); replies are not produced again."""
+        for event in events:
+            self._apply_event(event, live=False)
+
+    def _apply_event(self, event: Event, *, live: bool) -> None:
+        match event:
+            case [
+                "new",
+                str(vid),
+                str(name),
+                base_key,
+                bool(bounded),
+                int(limit),
+                bool(ci),
+                int(mode),
+                int(uid),
+                int(gid),
+                int(now),
+            ]:
+                base = self.open_base(base_key) if isinstance(base_key, str) else None
+                volume = Volume.new(
+                    self.host,
+                    base=base,
+                    capacity=Capacity(bounded, limit),
+                    case_insensitive=ci,
+                    mode=mode,
+                    uid=uid,
+                    gid=gid,
+                    time_ns=now,
+                )
+                self._add_volume(vid, name, base_key if isinstance(base_key, str) else None, volume)
+            case ["clone", str(vid), str(name), str(snapshot_id), bool(bounded), int(limit)]:
+                snapshot = self.snapshots.get(snapshot_id)
+                if snapshot is None:
+                    self.names[vid] = name
+                    self.base_keys[vid] = None
+                    self.failed[vid] = MissingContent(
+                        "the snapshot it was cloned from is lost", snapshot=snapshot_id
+                    )
+                    self._saw_id(vid)
+                    return
+                volume = Volume.clone(snapshot, self.host, Capacity(bounded, limit))
+                key = self._base_key_of(snapshot)
+                self._add_volume(vid, name, key, volume)
+            case ["rec", str(vid), bytes(payload)] if not live:
+                if vid in self.failed:
+                    return
+                record = decode(payload)
+                volume = self.volumes[vid]
+                volume.on_applied = None
+                try:
+                    result = volume.apply(record)
+                except SlatesError as exc:
+                    self.failed[vid] = VerificationFailed(
+                        "replaying the journal failed", volume=vid, reason=str(exc)
+                    )
+                    return
+                self._after_record(record, result)
+            case ["drop", str(vid)]:
+                dropped = self.volumes.pop(vid, None)
+                self.names.pop(vid, None)
+                self.base_keys.pop(vid, None)
+                self.failed.pop(vid, None)
+                if dropped is not None:
+                    dropped.close()
+                    self._collect()
+            case ["done", str(client), int(seq), dict(reply)]:
+                self.results.setdefault(client, {})[seq] = reply
+            case ["ack", str(client), int(upto)]:
+                self.acked[client] = max(self.acked.get(client, 0), upto)
+                saved = self.results.get(client, {})
+                for seq in [s for s in saved if s <= upto]:
+                    del saved[seq]
+            case _:
+                raise VerificationFailed("unknown journal event", event=repr(event)[:80])
+        if event[0] in ("new", "clone"):
+            self._saw_id(event[1])
+
+    def _add_volume(self, vid: str, name: str, base_key: str | None, volume: Volume) -> None:
+        self.volumes[vid] = volume
+        self.names[vid] = name
+        self.base_keys[vid] = base_key
+        self._watch(vid, volume)
+
+    def _base_key_of(self, snapshot: Snapshot) -> str | None:
+        return getattr(snapshot.base, "root", None) if snapshot.base is not None else None
+
+    def _collect(self) -> None:
+        roots = [v.root for v in self.volumes.values()] + [s.root for s in self.snapshots.values()]
+        self.host.collect(chunk_ids(root) for root in roots)
+
+    # -- views ----------------------------------------------------------------
+
+    def info(self, vid: str) -> dict[str, Any]:
+        volume = self.volumes[vid]
+        counters = volume.counters()
+        return {
+            "id": vid,
+            "name": self.names[vid],
+            "shard": self.index,
+            "base": self.base_keys[vid],
+            "bounded": volume.bounded,
+            "limit": volume.limit,
+            "counters": {
+                "referenced_bytes": counters.referenced_bytes,
+                "unique_bytes": counters.unique_bytes,
+                "metadata_bytes": counters.metadata_bytes,
+                "charged_bytes": counters.charged_bytes,
+                "host_physical_bytes": counters.host_physical_bytes,
+            },
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "shard": self.index,
+            "volumes": [self.info(vid) for vid in sorted(self.volumes)],
+            "snapshots": sorted(self.snapshots),
+            "failed": {vid: error.to_wire() for vid, error in self.failed.items()},
+            "host_physical_bytes": self.host.physical_bytes,
+        }
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def checkpoint(self) -> bytes:
+        state = checkpoint.dump_state(self.volumes, self.snapshots, self._base_key, host=self.host)
+        meta = {
+            "names": self.names,
+            "base_keys": self.base_keys,
+            "results": {c: list(r.items()) for c, r in self.results.items()},
+            "acked": self.acked,
+            "next_id": self.next_id,
+            "failed": {vid: error.to_wire() for vid, error in self.failed.items()},
+        }
+        out: bytes = msgpack.packb({"state": state, "meta": meta}, use_bin_type=True)
+        return out
+
+    @staticmethod
+    def _base_key(base: BaseReader) -> str:
+        root = getattr(base, "root", None)
+        if not isinstance(root, str):
+            raise InvalidArgument("this base reader cannot be checkpointed")
+        return root
+
+    def restore(self, blob: bytes) -> None:
+        try:
+            data = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+            meta = data["meta"]
+            loaded = checkpoint.load_state(data["state"], self.host, self.open_base)
+            self.names = dict(meta["names"])
+            self.base_keys = dict(meta["base_keys"])
+            self.results = {
+                c: {int(s): r for s, r in items} for c, items in meta["results"].items()
+            }
+            self.acked = {c: int(a) for c, a in meta["acked"].items()}
+            self.next_id = int(meta["next_id"])
+            failed = dict(meta["failed"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise VerificationFailed("the checkpoint is malformed", reason=str(exc)) from None
+        self.failed = {vid: error_from_wire(wire) for vid, wire in failed.items()}
+        self.failed.update(loaded.failures)
+        self.snapshots = dict(loaded.snapshots)
+        self.volumes = dict(loaded.volumes)
+        for vid, volume in self.volumes.items():
+            self._watch(vid, volume)

@@ -1,0 +1,266 @@
+"""A daemon shard process: the trio driver around ShardService.
+
+Theory of operation: the anchor starts this process with four inherited
+fds: the journal, checkpoint and arena segments (anchor-owned memfds) and
+the shard's listening unix socket.  On start the shard recovers: it loads
+the published checkpoint, replays the journal generation after it, and
+only then accepts connections.  For each request it asks the service for
+(reply, events), appends the events to the journal as one frame (the
+commit), and then replies.  If the journal cannot take a frame even after
+a checkpoint, the shard exits without replying: the anchor restarts it,
+recovery drops the uncommitted change, and the client's retry runs again.
+Never reply to what is not committed.
+
+Connections: a hello on the socket names the client; the peer's uid must
+be ours or root (SO_PEERCRED).  With rings, the shard passes a ring pair's
+fds with its answer and serves requests from the ring; the socket then
+only carries liveness (EOF means the client is gone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import ctypes
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+import trio
+
+from slates.base.live import LiveDirectory
+from slates.core.host import Host
+from slates.errors import AccessDenied, InvalidArgument, SlatesError
+from slates.node.journal import ArenaChunks, Checkpoints, Journal, Segment
+from slates.node.protocol import (
+    FrameReader,
+    Hello,
+    error_reply,
+    frame,
+    pack,
+    parse_hello,
+    parse_request,
+    unpack,
+)
+from slates.node.ring import RingPair
+from slates.node.service import ShardService
+
+__all__ = [
+    "Shard",
+    "main",
+    "receive_frame",
+    "send_all",
+    "CHECKPOINT_EVERY_BYTES",
+    "MAX_CONNECTIONS",
+]
+
+CHECKPOINT_EVERY_BYTES = 64 << 20  # journal bytes that trigger a checkpoint
+MAX_CONNECTIONS = 256
+_UCRED = struct.Struct("3i")
+
+
+def _failpoint_after_commit() -> None:
+    """Tests: die between committing and replying, once, when the named file exists."""
+    flag = os.environ.get("SLATES_CRASH_AFTER_COMMIT")
+    if flag and os.path.exists(flag):
+        os.unlink(flag)
+        _log("failpoint: crashing after a commit, before its reply")
+        os._exit(9)
+
+
+def _log(message: str) -> None:
+    print(f"slates shard[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
+
+
+class Shard:
+    def __init__(
+        self,
+        index: int,
+        journal_fd: int,
+        checkpoint_fd: int,
+        arena_fd: int,
+        capacity: int,
+    ) -> None:
+        self.index = index
+        self.journal = Journal(Segment(journal_fd))
+        self.checkpoints = Checkpoints(Segment(checkpoint_fd))
+        self.host = Host(capacity=capacity, chunks=ArenaChunks(Segment(arena_fd)))
+        self.service = ShardService(index, self.host, LiveDirectory)
+        self.connections = 0
+
+    # -- recovery and commits -------------------------------------------------
+
+    def recover(self) -> int:
+        """Rebuild state from the checkpoint and journal; returns events replayed."""
+        published = self.checkpoints.read()
+        generation = 0
+        if published is not None:
+            generation, blob = published
+            self.service.restore(blob)
+        replayed = 0
+        if self.journal.generation == generation:
+            for payload in self.journal.entries():
+                events = unpack_events(payload)
+                self.service.replay(events)
+                replayed += len(events)
+        elif self.journal.generation == generation - 1:
+            self.journal.start_generation(generation)  # the checkpoint already covers it
+        else:
+            raise SystemExit(
+                f"journal generation {self.journal.generation} does not follow "
+                f"checkpoint generation {generation}"
+            )
+        return replayed
+
+    def checkpoint(self) -> None:
+        generation = self.journal.generation + 1
+        self.checkpoints.write(generation, self.service.checkpoint())
+        self.journal.start_generation(generation)
+
+    def commit(self, events: list[Any]) -> None:
+        if not events:
+            return
+        payload = pack({"events": events})
+        if self.journal.committed > CHECKPOINT_EVERY_BYTES or len(payload) > self.journal.room:
+            self.checkpoint()
+        try:
+            self.journal.append(payload)
+        except SlatesError as exc:
+            _log(f"cannot commit to the journal ({exc}); exiting so recovery drops the change")
+            os._exit(3)
+        _failpoint_after_commit()
+
+    def handle(self, hello: Hello, message: bytes) -> bytes:
+        try:
+            request = parse_request(unpack(message))
+        except SlatesError as exc:
+            return pack(error_reply(0, exc))
+        reply, events = self.service.handle(hello.client, request, time.time_ns())
+        self.commit(events)
+        return pack(reply)
+
+    # -- connections ----------------------------------------------------------
+
+    async def serve(self, listener: trio.socket.SocketType) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                conn, _address = await listener.accept()
+                if self.connections >= MAX_CONNECTIONS:
+                    conn.close()  # bounded: a refused client retries later
+                    continue
+                nursery.start_soon(self._connection, conn)
+
+    async def _connection(self, conn: trio.socket.SocketType) -> None:
+        self.connections += 1
+        try:
+            with conn:
+                await self._converse(conn)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            self.connections -= 1
+
+    async def _converse(self, conn: trio.socket.SocketType) -> None:
+        reader = FrameReader()
+        try:
+            hello_frame = await receive_frame(conn, reader)
+            if hello_frame is None:
+                return
+            hello = parse_hello(unpack(hello_frame))
+            self._check_peer(conn)
+        except SlatesError as exc:
+            await send_all(conn, frame(pack(error_reply(0, exc))))
+            return
+        answer = frame(
+            pack({"ok": True, "shard": self.index, "pid": os.getpid(), "rings": hello.rings})
+        )
+        if not hello.rings:
+            await send_all(conn, answer)
+            while (message := await receive_frame(conn, reader)) is not None:
+                await send_all(conn, frame(self.handle(hello, message)))
+            return
+        with RingPair.create() as pair:
+            fds = array.array("i", pair.fds)
+            await conn.sendmsg([answer], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_eof, conn, nursery.cancel_scope)
+                while True:
+                    message = await pair.requests.receive()
+                    reply = self.handle(hello, message)
+                    while not pair.replies.push(reply):
+                        await trio.sleep(0.0005)  # bounded ring: wait for the client to drain
+
+    def _check_peer(self, conn: trio.socket.SocketType) -> None:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        _pid, uid, _gid = _UCRED.unpack(creds)
+        if uid not in (0, os.geteuid()):
+            raise AccessDenied("this service belongs to another user", peer_uid=uid)
+
+
+async def receive_frame(conn: trio.socket.SocketType, reader: FrameReader) -> bytes | None:
+    """The next frame from a socket, or None at end of stream."""
+    while (pending := reader.next_frame()) is None:
+        data = await conn.recv(1 << 16)
+        if not data:
+            return None
+        reader.feed(data)
+    return pending
+
+
+async def send_all(conn: trio.socket.SocketType, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        sent = await conn.send(view)
+        view = view[sent:]
+
+
+async def _cancel_on_eof(conn: trio.socket.SocketType, scope: trio.CancelScope) -> None:
+    while await conn.recv(4096):
+        pass  # nothing is expected on the socket once rings are in use
+    scope.cancel()
+
+
+def unpack_events(payload: bytes) -> list[Any]:
+    message = unpack(payload)
+    events = message.get("events")
+    if not isinstance(events, list):
+        raise InvalidArgument("malformed journal frame")
+    return events
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this shard if the anchor dies (PR_SET_PDEATHSIG)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
+        _log("could not tie this shard's life to the anchor's")
+    if os.getppid() == 1:
+        raise SystemExit("the anchor is already gone")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="slates-shard")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--journal-fd", type=int, required=True)
+    parser.add_argument("--checkpoint-fd", type=int, required=True)
+    parser.add_argument("--arena-fd", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--capacity", type=int, required=True)
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    shard = Shard(args.index, args.journal_fd, args.checkpoint_fd, args.arena_fd, args.capacity)
+    started = time.monotonic()
+    replayed = shard.recover()
+    _log(
+        f"shard {args.index} recovered {len(shard.service.volumes)} volumes, "
+        f"{replayed} events, in {time.monotonic() - started:.3f}s"
+    )
+    listener = trio.socket.from_stdlib_socket(socket.socket(fileno=args.listen_fd))
+    trio.run(shard.serve, listener)
+
+
+if __name__ == "__main__":
+    main()

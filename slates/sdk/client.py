@@ -1,0 +1,428 @@
+"""The Python SDK: AsyncClient (trio) and Client (blocking), thin over the wire protocol.
+
+Theory of operation: a client finds the local anchor through the runtime
+directory's state file and keeps one connection per shard, opened on first
+use.  Each connection says hello with the client's id, receives a ring
+pair, and then sends one request at a time over the rings, watching the
+socket for the shard's death.  If the shard dies (or the connection
+breaks) the client reconnects, waiting for the anchor's replacement, and
+resends the *same* request (same client id and sequence number): the
+shard answers from its saved result if the request had already run, so a
+retry never runs an operation twice.  Reconnection is bounded
+(RECONNECT_SECONDS); past it the call fails with a SlatesError.
+
+Routing needs no lookup: a volume or snapshot id names its shard, and a
+new volume goes to the shard its name hashes to.  Errors come back as the
+named exceptions of slates.errors.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import blake3
+import trio
+
+from slates.errors import InvalidArgument, SlatesError, VerificationFailed, error_from_wire
+from slates.node.protocol import FrameReader, frame, pack, parse_reply, unpack
+from slates.node.ring import RingPair
+from slates.node.runtime import Runtime
+from slates.node.service import shard_of
+
+__all__ = ["AsyncClient", "Client", "RECONNECT_SECONDS"]
+
+RECONNECT_SECONDS = 30.0
+_T = TypeVar("_T")
+
+
+class _ConnectionLost(Exception):
+    pass
+
+
+class _ShardConnection:
+    def __init__(self, path: str, client_id: str, rings: bool) -> None:
+        self.path = path
+        self.client_id = client_id
+        self.rings = rings
+        self.sock: trio.socket.SocketType | None = None
+        self.pair: RingPair | None = None
+        self.reader = FrameReader()
+        self.next_seq = 1
+        self.acked = 0
+        self.lock = trio.Lock()
+
+    async def _connect(self) -> None:
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            await sock.connect(self.path)
+            await _send_all(sock, frame(pack({"client": self.client_id, "rings": self.rings})))
+            self.reader = FrameReader()
+            fds: list[int] = []
+            while (answer := self.reader.next_frame()) is None:
+                data, ancillary, _flags, _addr = await sock.recvmsg(
+                    1 << 16, socket.CMSG_SPACE(4 * array.array("i").itemsize)
+                )
+                if not data:
+                    raise _ConnectionLost()
+                for level, kind, payload in ancillary:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.extend(array.array("i", payload[: len(payload) // 4 * 4]))
+                self.reader.feed(data)
+            message = unpack(answer)
+            if message.get("ok") is not True:
+                for fd in fds:
+                    os.close(fd)
+                error = message.get("error")
+                raise error_from_wire(error if isinstance(error, dict) else {})
+            if self.rings:
+                if len(fds) != 4:
+                    raise VerificationFailed("the shard did not pass a ring pair")
+                self.pair = RingPair.attach(fds)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+    def close(self) -> None:
+        if self.pair is not None:
+            self.pair.close()
+            self.pair = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    async def _exchange(self, message: bytes) -> bytes:
+        assert self.sock is not None
+        if self.pair is None:
+            await _send_all(self.sock, frame(message))
+            while (reply := self.reader.next_frame()) is None:
+                data = await self.sock.recv(1 << 16)
+                if not data:
+                    raise _ConnectionLost()
+                self.reader.feed(data)
+            return reply
+        pair, sock = self.pair, self.sock
+        while not pair.requests.push(message):
+            await trio.sleep(0.0005)  # bounded ring: wait for the shard to drain it
+        received: bytes | None = None
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                with contextlib.suppress(OSError):
+                    await sock.recv(1)  # nothing comes on the socket: data or EOF means gone
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            received = await pair.replies.receive()
+            nursery.cancel_scope.cancel()
+        if received is None:
+            raise _ConnectionLost()
+        return received
+
+    async def request(self, op: str, args: dict[str, Any]) -> Any:
+        async with self.lock:
+            seq = self.next_seq
+            self.next_seq += 1
+            message = pack({"seq": seq, "ack": self.acked, "op": op, "args": args})
+            deadline = trio.current_time() + RECONNECT_SECONDS
+            delay = 0.01
+            while True:
+                try:
+                    if self.sock is None:
+                        await self._connect()
+                    payload = await self._exchange(message)
+                    break
+                except (OSError, _ConnectionLost, trio.BrokenResourceError):
+                    self.close()
+                    if trio.current_time() > deadline:
+                        raise SlatesError(
+                            "the shard did not answer; is `slates anchor` running?",
+                            socket=self.path,
+                        ) from None
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+            reply = parse_reply(unpack(payload))
+            if reply.seq != seq:
+                raise VerificationFailed("a reply answered another request", expected=seq)
+            self.acked = seq
+            if reply.error is not None:
+                raise reply.error
+            return reply.result
+
+
+async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        sent = await sock.send(view)
+        view = view[sent:]
+
+
+def _size(value: int | None, what: str) -> int | None:
+    if value is not None and (not isinstance(value, int) or value <= 0):
+        raise InvalidArgument(f"{what} must be a positive number of bytes", value=str(value))
+    return value
+
+
+class AsyncClient:
+    """A trio client of the local Slates service (an async context manager)."""
+
+    def __init__(
+        self,
+        runtime_dir: str | os.PathLike[str] | None = None,
+        *,
+        client_id: str | None = None,
+        rings: bool = True,
+    ) -> None:
+        self.runtime = Runtime(runtime_dir)
+        self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.rings = rings
+        self._shards: list[_ShardConnection] = []
+
+    async def __aenter__(self) -> AsyncClient:
+        state = self.runtime.read_state()
+        self._shards = [
+            _ShardConnection(shard.socket, self.client_id, self.rings) for shard in state.shards
+        ]
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        for shard in self._shards:
+            shard.close()
+
+    def _connection(self, index: int) -> _ShardConnection:
+        if not self._shards:
+            raise InvalidArgument("the client is not open; use `async with AsyncClient()`")
+        if not 0 <= index < len(self._shards):
+            raise InvalidArgument("the id names a shard this host does not have", shard=index)
+        return self._shards[index]
+
+    async def call(self, shard: int, op: str, **args: Any) -> Any:
+        """Send one request to a shard (the typed methods below wrap this)."""
+        return await self._connection(shard).request(op, args)
+
+    async def _on(self, object_id: str, op: str, **args: Any) -> Any:
+        return await self.call(shard_of(object_id), op, **args)
+
+    def _home(self, name: str) -> int:
+        if not self._shards:
+            raise InvalidArgument("the client is not open; use `async with AsyncClient()`")
+        return int.from_bytes(blake3.blake3(name.encode()).digest()[:8], "big") % len(self._shards)
+
+    # -- service ----------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        state = self.runtime.read_state()
+        shards = []
+        for info in state.shards:
+            shard = await self.call(info.index, "status")
+            shard.update(pid=info.pid, restarts=info.restarts)
+            shards.append(shard)
+        return {"anchor_pid": state.pid, "capacity": state.capacity, "shards": shards, "mounts": []}
+
+    # -- volumes ----------------------------------------------------------------
+
+    async def create_volume(
+        self,
+        name: str,
+        *,
+        base: str | os.PathLike[str] | None = None,
+        from_snapshot: str | None = None,
+        capture: bool = False,
+        bounded: int | None = None,
+        dynamic: int | None = None,
+        case_insensitive: bool = False,
+    ) -> dict[str, Any]:
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument("a volume needs a name")
+        args: dict[str, Any] = {
+            "name": name,
+            "case_insensitive": case_insensitive,
+            "capture": capture,
+        }
+        if base is not None:
+            args["base"] = str(Path(base).resolve())
+        if from_snapshot is not None:
+            args["from"] = from_snapshot
+        if _size(bounded, "bounded") is not None:
+            args["bounded"] = bounded
+        if _size(dynamic, "dynamic") is not None:
+            args["dynamic"] = dynamic
+        shard = shard_of(from_snapshot) if from_snapshot is not None else self._home(name)
+        result: dict[str, Any] = await self.call(shard, "volume.create", **args)
+        return result
+
+    async def list_volumes(self) -> list[dict[str, Any]]:
+        volumes: list[dict[str, Any]] = []
+        for index in range(len(self._shards)):
+            volumes.extend(await self.call(index, "volume.list"))
+        return volumes
+
+    async def show_volume(self, volume: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._on(volume, "volume.show", volume=volume)
+        return result
+
+    async def counters(self, volume: str) -> dict[str, Any]:
+        result: dict[str, Any] = (await self.show_volume(volume))["counters"]
+        return result
+
+    async def delete_volume(self, volume: str) -> None:
+        await self._on(volume, "volume.delete", volume=volume)
+
+    async def snapshot(self, volume: str) -> str:
+        result = await self._on(volume, "snapshot", volume=volume)
+        return str(result["id"])
+
+    async def clone(
+        self, snapshot: str, name: str, *, bounded: int | None = None, dynamic: int | None = None
+    ) -> dict[str, Any]:
+        return await self.create_volume(
+            name, from_snapshot=snapshot, bounded=bounded, dynamic=dynamic
+        )
+
+    async def seal(self, volume: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._on(volume, "seal", volume=volume)
+        return result
+
+    # -- files ------------------------------------------------------------------
+
+    async def read(self, volume: str, path: str, offset: int = 0, size: int | None = None) -> bytes:
+        args: dict[str, Any] = {"volume": volume, "path": path, "offset": offset}
+        if size is not None:
+            args["size"] = size
+        result = await self._on(volume, "read", **args)
+        return bytes(result)
+
+    async def write(
+        self,
+        volume: str,
+        path: str,
+        data: bytes,
+        offset: int = 0,
+        *,
+        truncate: bool = False,
+        create: bool = True,
+    ) -> int:
+        result = await self._on(
+            volume,
+            "write",
+            volume=volume,
+            path=path,
+            data=bytes(data),
+            offset=offset,
+            truncate=truncate,
+            create=create,
+        )
+        return int(result["written"])
+
+    async def truncate(self, volume: str, path: str, size: int) -> None:
+        await self._on(volume, "truncate", volume=volume, path=path, size=size)
+
+    async def mkdir(self, volume: str, path: str, mode: int = 0o755) -> dict[str, Any]:
+        result: dict[str, Any] = await self._on(
+            volume, "mkdir", volume=volume, path=path, mode=mode
+        )
+        return result
+
+    async def symlink(self, volume: str, path: str, target: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._on(
+            volume, "symlink", volume=volume, path=path, target=target
+        )
+        return result
+
+    async def readlink(self, volume: str, path: str) -> str:
+        return str(await self._on(volume, "readlink", volume=volume, path=path))
+
+    async def unlink(self, volume: str, path: str) -> None:
+        await self._on(volume, "unlink", volume=volume, path=path)
+
+    async def rmdir(self, volume: str, path: str) -> None:
+        await self._on(volume, "rmdir", volume=volume, path=path)
+
+    async def rename(self, volume: str, src: str, dst: str) -> None:
+        await self._on(volume, "rename", volume=volume, src=src, dst=dst)
+
+    async def list(self, volume: str, path: str = "/") -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = await self._on(volume, "list", volume=volume, path=path)
+        return result
+
+    async def stat(self, volume: str, path: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._on(volume, "stat", volume=volume, path=path)
+        return result
+
+
+class Client:
+    """The blocking client: every AsyncClient method, run on a private trio thread."""
+
+    def __init__(self, runtime_dir: str | os.PathLike[str] | None = None, **options: Any) -> None:
+        self._async = AsyncClient(runtime_dir, **options)
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._failure: BaseException | None = None
+        ready = threading.Event()
+
+        async def main() -> None:
+            self._token = trio.lowlevel.current_trio_token()
+            self._stop = trio.Event()
+            try:
+                await self._async.__aenter__()
+            except BaseException as exc:
+                self._failure = exc
+                ready.set()
+                return
+            ready.set()
+            await self._stop.wait()
+            await self._async.aclose()
+
+        self._thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+        self._thread.start()
+        ready.wait()
+        if self._failure is not None:
+            self._thread.join()
+            raise self._failure
+
+    def _run(self, fn: Callable[..., Awaitable[_T]], *args: Any, **kwargs: Any) -> _T:
+        if self._token is None or not self._thread.is_alive():
+            raise InvalidArgument("the client is closed")
+
+        async def call() -> _T:
+            return await fn(*args, **kwargs)
+
+        return trio.from_thread.run(call, trio_token=self._token)
+
+    def close(self) -> None:
+        if self._thread.is_alive() and self._stop is not None and self._token is not None:
+            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            self._thread.join()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._async, name, None)
+        if name.startswith("_") or method is None or not callable(method):
+            raise AttributeError(name)
+
+        def blocking(*args: Any, **kwargs: Any) -> Any:
+            return self._run(method, *args, **kwargs)
+
+        return blocking

@@ -1,0 +1,92 @@
+"""A real anchor process in a temporary runtime directory, for integration tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+__all__ = ["Service", "service", "start_service"]
+
+
+class Service:
+    def __init__(self, runtime: Path, process: subprocess.Popen[bytes]) -> None:
+        self.runtime = runtime
+        self.process = process
+
+    def state(self) -> dict[str, object]:
+        data: dict[str, object] = json.loads((self.runtime / "anchor.json").read_text())
+        return data
+
+    def shard_pids(self) -> list[int]:
+        shards = self.state()["shards"]
+        assert isinstance(shards, list)
+        return [int(s["pid"]) for s in shards]
+
+    def kill_shard(self, index: int) -> int:
+        """SIGKILL one shard; returns the pid killed."""
+        pid = self.shard_pids()[index]
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def wait_restarted(self, index: int, old_pid: int, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid = self.shard_pids()[index]
+            if pid != old_pid:
+                return pid
+            time.sleep(0.02)
+        raise AssertionError(f"shard {index} was not restarted")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_service(runtime: Path, shards: int = 2, capacity: str = "2GiB") -> Service:
+    log = open(runtime.parent / f"{runtime.name}.log", "ab")  # noqa: SIM115 - owned by the process
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "slates_cli.main",
+            "anchor",
+            "--runtime-dir",
+            str(runtime),
+            "--shards",
+            str(shards),
+            "--capacity",
+            capacity,
+        ],
+        stdout=log,
+        stderr=log,
+    )
+    deadline = time.monotonic() + 30
+    while not (runtime / "anchor.json").exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(
+                "the anchor did not start: " + (runtime.parent / f"{runtime.name}.log").read_text()
+            )
+        time.sleep(0.02)
+    return Service(runtime, process)
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    running = start_service(tmp_path / "run")
+    try:
+        yield running
+    finally:
+        running.stop()
