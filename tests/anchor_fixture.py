@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["Service", "service", "start_service"]
+__all__ = ["Service", "checkpointing_service", "service", "start_service"]
 
 
 class Service:
@@ -55,7 +55,9 @@ class Service:
                 self.process.wait()
 
 
-def start_service(runtime: Path, shards: int = 2, capacity: str = "2GiB") -> Service:
+def start_service(
+    runtime: Path, shards: int = 2, capacity: str = "2GiB", env: dict[str, str] | None = None
+) -> Service:
     log = open(runtime.parent / f"{runtime.name}.log", "ab")  # noqa: SIM115 - owned by the process
     process = subprocess.Popen(
         [
@@ -72,6 +74,7 @@ def start_service(runtime: Path, shards: int = 2, capacity: str = "2GiB") -> Ser
         ],
         stdout=log,
         stderr=log,
+        env={**os.environ, **(env or {})},
     )
     deadline = time.monotonic() + 30
     while not (runtime / "anchor.json").exists():
@@ -86,6 +89,16 @@ def start_service(runtime: Path, shards: int = 2, capacity: str = "2GiB") -> Ser
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[Service]:
     running = start_service(tmp_path / "run")
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def checkpointing_service(tmp_path: Path) -> Iterator[Service]:
+    """Shards that checkpoint every 64 KiB of journal, so crashes land around checkpoints."""
+    running = start_service(tmp_path / "run", env={"SLATES_CHECKPOINT_BYTES": "65536"})
     try:
         yield running
     finally:

@@ -406,7 +406,7 @@ class ShardService:
                     return
                 record = decode(payload)
                 volume = self.volumes[vid]
-                volume.on_applied = None
+                hook, volume.on_applied = volume.on_applied, None  # replay journals nothing
                 try:
                     result = volume.apply(record)
                 except SlatesError as exc:
@@ -414,6 +414,8 @@ class ShardService:
                         "replaying the journal failed", volume=vid, reason=str(exc)
                     )
                     return
+                finally:
+                    volume.on_applied = hook
                 self._after_record(record, result)
             case ["drop", str(vid)]:
                 dropped = self.volumes.pop(vid, None)
