@@ -8,9 +8,11 @@ its own.  A slates.errors.SlatesError is printed as
 at fault (`fault == "caller"`, e.g. InvalidArgument) and 1 otherwise.
 click's own usage errors also exit with 2.
 
-Commands so far: `demo` (the README Quick start's walk through the core,
-slates_cli.demo).  The daemon-backed commands of DESIGN.md section 8 come
-with the daemon.
+Commands: `demo` (the README Quick start's walk through the core,
+slates_cli.demo), `anchor` (start the service), and the daemon-backed
+commands of DESIGN.md section 8 (status, volume, snapshot, clone, read,
+write, ls), which live in slates_cli.commands and attach to `main` through
+its `register`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rich.text import Text
 
 from slates.errors import SlatesError
 
+from .commands import register
 from .demo import DemoResult, run_demo
 
 __all__ = ["main", "demo", "exit_code_for", "format_size", "format_units", "print_demo"]
@@ -288,6 +291,9 @@ def anchor(runtime_dir: str | None, shards: int | None, capacity: str, daemon: b
     except SlatesError as exc:
         _fail(exc)
     raise SystemExit(code)
+
+
+register(main, _fail)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
+import signal
 import socket
+import stat
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -360,3 +365,81 @@ def test_trio_client_and_ring_transport_under_load(service: Service) -> None:
 
     trio.run(main)
     time.sleep(0)
+
+
+def test_anchor_daemon_mode_detaches_and_stops_cleanly(tmp_path: Path) -> None:
+    runtime = tmp_path / "run"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slates_cli.main",
+            "anchor",
+            "--daemon",
+            "--runtime-dir",
+            str(runtime),
+            "--shards",
+            "1",
+            "--capacity",
+            "256MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    state = json.loads((runtime / "anchor.json").read_text())
+    anchor_pid, shard_pid = state["pid"], state["shards"][0]["pid"]
+    assert stat.S_IMODE(runtime.stat().st_mode) == 0o700
+    try:
+        with Client(runtime) as client:
+            volume = client.create_volume("d")
+            client.write(volume["id"], "/x", b"1")
+            assert client.read(volume["id"], "/x") == b"1"
+        # A second anchor in the same runtime directory is refused.
+        again = subprocess.run(
+            [sys.executable, "-m", "slates_cli.main", "anchor", "--runtime-dir", str(runtime)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert again.returncode == 2 and "already running" in again.stderr
+    finally:
+        os.kill(anchor_pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while (runtime / "anchor.json").exists() or _alive(shard_pid) or _alive(anchor_pid):
+        assert time.monotonic() < deadline, "the anchor did not stop"
+        time.sleep(0.05)
+    assert not list(runtime.glob("*.sock"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie child of an exited parent is reaped by init; /proc tells the state.
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
+
+
+def test_messages_larger_than_a_ring_travel_on_the_socket(service: Service) -> None:
+    big = os.urandom(3 << 20)
+    with Client(service.runtime) as client:
+        volume = client.create_volume("big-messages")
+        assert client.write(volume["id"], "/blob", big) == len(big)
+        assert client.read(volume["id"], "/blob") == big
+        pids = service.shard_pids()
+        assert client.status()["shards"][volume["shard"]]["pid"] == pids[volume["shard"]]
+
+
+def test_a_stale_state_file_fails_fast(tmp_path: Path) -> None:
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (runtime / "anchor.json").write_text(json.dumps({"pid": dead.pid, "capacity": 1, "shards": []}))
+    with pytest.raises(NotFound):  # at once, not after the reconnect budget
+        Client(runtime)

@@ -16,6 +16,7 @@ non-zero rather than spinning.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -26,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from slates.errors import InvalidArgument
+from slates.errors import InvalidArgument, SlatesError
 from slates.node.journal import create_segment
 from slates.node.runtime import AnchorState, Runtime, ShardInfo
 
@@ -72,7 +73,7 @@ def parse_size(text: str) -> int:
         value = float(number)
     except ValueError:
         raise InvalidArgument("not a size", size=text) from None
-    if unit not in _UNITS or value <= 0:
+    if unit not in _UNITS or not math.isfinite(value) or value <= 0:
         raise InvalidArgument(
             "not a size (use a positive number with B, KiB, MiB, GiB, TiB)", size=text
         )
@@ -113,9 +114,9 @@ class Anchor:
         self.runtime.prepare()
         try:
             state = self.runtime.read_state()
-        except Exception:
-            state = None
-        if state is not None and _alive(state.pid):
+        except SlatesError:
+            state = None  # none, or stale: a new anchor may take the directory
+        if state is not None:
             raise InvalidArgument(
                 "an anchor is already running here",
                 pid=state.pid,
@@ -210,16 +211,6 @@ class Anchor:
                 os.close(fd)
         self.runtime.state_file.unlink(missing_ok=True)
         _log("anchor stopped")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _log(message: str) -> None:

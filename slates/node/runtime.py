@@ -20,7 +20,7 @@ from typing import Any
 
 from slates.errors import AccessDenied, InvalidArgument, NotFound
 
-__all__ = ["Runtime", "default_runtime_dir", "AnchorState", "ShardInfo"]
+__all__ = ["Runtime", "default_runtime_dir", "AnchorState", "ShardInfo", "pid_alive"]
 
 
 def default_runtime_dir() -> Path:
@@ -110,4 +110,21 @@ class Runtime:
             ) from None
         except json.JSONDecodeError as exc:
             raise InvalidArgument("malformed anchor state file", reason=str(exc)) from None
-        return AnchorState.from_json(data)
+        state = AnchorState.from_json(data)
+        if not pid_alive(state.pid):
+            raise NotFound(
+                "no Slates anchor is running here (its state file is stale); start one with "
+                "`slates anchor`",
+                runtime_dir=str(self.path),
+            )
+        return state
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, and another user's
+    return True

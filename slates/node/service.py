@@ -152,6 +152,11 @@ class ShardService:
             reply = ok_reply(request.seq, self._run(request.op, request.args, now_ns))
         except SlatesError as exc:
             reply = error_reply(request.seq, exc)
+        except Exception as exc:  # a bug: answer it, and keep memory and journal in step
+            failure = VerificationFailed(
+                "internal error", op=request.op, reason=f"{type(exc).__name__}: {exc}"
+            )
+            reply = error_reply(request.seq, failure)
         if mutating:
             self._emit(["done", client, request.seq, reply])
         return reply, self._take_events()
@@ -309,6 +314,8 @@ class ShardService:
         base_path, source = args.get("base"), args.get("from")
         if base_path is not None and source is not None:
             raise InvalidArgument("a volume starts from a base directory or a snapshot, not both")
+        if args.get("capture", False) and base_path is None:
+            raise InvalidArgument("--capture needs a base directory to capture")
         if source is not None:
             return self._clone({"snapshot": source, "name": name, **args})
         if base_path is None:

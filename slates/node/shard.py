@@ -190,12 +190,28 @@ class Shard:
             fds = array.array("i", pair.fds)
             await conn.sendmsg([answer], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_on_eof, conn, nursery.cancel_scope)
+                # Messages too large for a ring travel as frames on the socket;
+                # the socket's end is also the client's end.
+                nursery.start_soon(self._socket_requests, conn, reader, hello, nursery.cancel_scope)
                 while True:
                     message = await pair.requests.receive()
                     reply = self.handle(hello, message)
+                    if len(reply) > pair.replies.max_message:
+                        await send_all(conn, frame(reply))
+                        continue
                     while not pair.replies.push(reply):
                         await trio.sleep(0.0005)  # bounded ring: wait for the client to drain
+
+    async def _socket_requests(
+        self,
+        conn: trio.socket.SocketType,
+        reader: FrameReader,
+        hello: Hello,
+        scope: trio.CancelScope,
+    ) -> None:
+        while (message := await receive_frame(conn, reader)) is not None:
+            await send_all(conn, frame(self.handle(hello, message)))
+        scope.cancel()
 
     def _check_peer(self, conn: trio.socket.SocketType) -> None:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
@@ -219,12 +235,6 @@ async def send_all(conn: trio.socket.SocketType, data: bytes) -> None:
     while view:
         sent = await conn.send(view)
         view = view[sent:]
-
-
-async def _cancel_on_eof(conn: trio.socket.SocketType, scope: trio.CancelScope) -> None:
-    while await conn.recv(4096):
-        pass  # nothing is expected on the socket once rings are in use
-    scope.cancel()
 
 
 def unpack_events(payload: bytes) -> list[Any]:

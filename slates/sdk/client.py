@@ -32,7 +32,13 @@ from typing import Any, TypeVar
 import blake3
 import trio
 
-from slates.errors import InvalidArgument, SlatesError, VerificationFailed, error_from_wire
+from slates.errors import (
+    InvalidArgument,
+    NotFound,
+    SlatesError,
+    VerificationFailed,
+    error_from_wire,
+)
 from slates.node.protocol import FrameReader, frame, pack, parse_reply, unpack
 from slates.node.ring import RingPair
 from slates.node.runtime import Runtime
@@ -110,15 +116,24 @@ class _ShardConnection:
                     raise _ConnectionLost()
                 self.reader.feed(data)
             return reply
-        pair, sock = self.pair, self.sock
-        while not pair.requests.push(message):
-            await trio.sleep(0.0005)  # bounded ring: wait for the shard to drain it
+        pair, sock, reader = self.pair, self.sock, self.reader
+        if len(message) > pair.requests.max_message:
+            await _send_all(sock, frame(message))  # too large for the ring: a socket frame
+        else:
+            while not pair.requests.push(message):
+                await trio.sleep(0.0005)  # bounded ring: wait for the shard to drain it
         received: bytes | None = None
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
+                # A large reply comes as a frame on the socket; its end means the shard died.
+                nonlocal received
                 with contextlib.suppress(OSError):
-                    await sock.recv(1)  # nothing comes on the socket: data or EOF means gone
+                    while (received := reader.next_frame()) is None:
+                        data = await sock.recv(1 << 16)
+                        if not data:
+                            break
+                        reader.feed(data)
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch)
@@ -210,7 +225,7 @@ class AsyncClient:
         if not self._shards:
             raise InvalidArgument("the client is not open; use `async with AsyncClient()`")
         if not 0 <= index < len(self._shards):
-            raise InvalidArgument("the id names a shard this host does not have", shard=index)
+            raise NotFound("the id names a shard this host does not have", shard=index)
         return self._shards[index]
 
     async def call(self, shard: int, op: str, **args: Any) -> Any:

@@ -1,0 +1,505 @@
+"""The daemon-backed `slates` commands: status, volumes, snapshots, clones, files.
+
+Theory of operation: every command here is thin over the blocking SDK
+(slates.sdk.Client).  It parses its arguments, opens one Client on the
+runtime directory (`--runtime-dir`, else the SDK's default:
+$SLATES_RUNTIME_DIR, /run/slates for root, ...), makes its calls, closes
+the client and prints what came back: rich tables for people, or the SDK's
+own data as JSON with `--json`.  No command computes figures of its own.
+
+Errors: a slates.errors.SlatesError ends the command through main.py's
+`_fail` (`error: <code>: <message>` on stderr; exit 2 for the caller's
+faults, 1 otherwise).  main.py hands `_fail` over in `register`, because
+this module must not import main.py: `python -m slates_cli.main` runs
+main.py as `__main__`, and importing it again would build a second
+command group.  Input that can be checked without the service (sizes,
+options that exclude each other) is checked before connecting, so bad input
+changes nothing.
+
+Volumes are named on the command line by id (`vol-<shard>-<n>`, which
+routes with no lookup) or by name: a name is looked up across every
+shard's volume list and must match exactly one volume.  Something shaped
+like an id is always taken as an id.
+
+Files move in pieces of at most CHUNK bytes per request, so one request
+never outgrows the client's ring.  `write` truncates the file with its
+first piece and appends the rest: a reader may see a partly written file,
+and a failure part way leaves the pieces written so far.  `read` stops at
+the first short piece.
+
+Long work shows progress on stderr (a rich spinner while `--capture`
+reads its base), never in `--json` mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from slates.core.host import UNLIMITED
+from slates.errors import InvalidArgument, NotFound, SlatesError
+from slates.node.anchor import parse_size
+from slates.sdk import Client
+
+__all__ = [
+    "CHUNK",
+    "register",
+    "status",
+    "volume",
+    "volume_create",
+    "volume_list",
+    "volume_show",
+    "volume_delete",
+    "snapshot",
+    "clone",
+    "read",
+    "write",
+    "ls",
+    "resolve_volume",
+    "parse_quota",
+    "format_bytes",
+    "format_quota",
+]
+
+CHUNK = 256 << 10
+"""Most bytes one read or write request carries (well under a ring's message limit)."""
+
+_VOLUME_ID = re.compile(r"vol-\d+-\d+")
+_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+Fail = Callable[[SlatesError], NoReturn]
+_fail_hook: Fail | None = None
+
+
+def register(group: click.Group, fail: Fail) -> None:
+    """Attach this module's commands to `group`; `fail` reports a SlatesError and exits."""
+    global _fail_hook
+    _fail_hook = fail
+    for command in (status, volume, snapshot, clone, read, write, ls):
+        group.add_command(command)
+
+
+def _fail(error: SlatesError) -> NoReturn:
+    if _fail_hook is None:  # pragma: no cover - register() always runs first
+        raise error
+    _fail_hook(error)
+
+
+# -- shared pieces -----------------------------------------------------------
+
+runtime_dir_option = click.option(
+    "--runtime-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where the service lives (default: $SLATES_RUNTIME_DIR, /run/slates for root).",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+
+
+@contextlib.contextmanager
+def _client(runtime_dir: str | None) -> Iterator[Client]:
+    """One Client for this command; a SlatesError anywhere inside ends the command."""
+    try:
+        with Client(runtime_dir) as client:
+            yield client
+    except SlatesError as error:
+        _fail(error)
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2))
+
+
+def format_bytes(nbytes: int) -> str:
+    """Bytes in the largest binary unit they reach: "4.00 GiB", "12.5 KiB", "6 B"."""
+    for unit, size in _UNITS:
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def format_quota(info: dict[str, Any]) -> str:
+    """A volume's capacity as people say it: "bounded 4.00 GiB", "dynamic, max 1.00 GiB"."""
+    limit = int(info["limit"])
+    if info["bounded"]:
+        return f"bounded {format_bytes(limit)}"
+    if limit >= UNLIMITED:
+        return "dynamic"
+    return f"dynamic, max {format_bytes(limit)}"
+
+
+def _size(option: str, text: str | None) -> int | None:
+    """parse_size, with the option and the text in the message (it is all a person sees)."""
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except InvalidArgument as error:
+        raise InvalidArgument(f"{option} {text!r}: {error.message}", **error.details) from None
+    except (ValueError, OverflowError):  # parse_size lets "nan" and "inf" through
+        raise InvalidArgument(f"{option} {text!r}: not a size", size=text) from None
+
+
+def parse_quota(bounded: str | None, dynamic: str | None) -> tuple[int | None, int | None]:
+    """--bounded SIZE / --dynamic MAX to bytes; InvalidArgument for bad sizes or both."""
+    if bounded is not None and dynamic is not None:
+        raise InvalidArgument("choose --bounded or --dynamic, not both")
+    return _size("--bounded", bounded), _size("--dynamic", dynamic)
+
+
+def resolve_volume(client: Client, ref: str) -> str:
+    """A volume id for `ref`, an id (taken as is) or a name matching exactly one volume."""
+    if _VOLUME_ID.fullmatch(ref):
+        return ref
+    volumes: list[dict[str, Any]] = client.list_volumes()
+    ids = [str(v["id"]) for v in volumes if v["name"] == ref]
+    if not ids:
+        raise NotFound(f"no volume has the id or name {ref!r}", volume=ref)
+    if len(ids) > 1:
+        raise InvalidArgument(
+            f"{len(ids)} volumes are named {ref!r} ({', '.join(ids)}); use an id",
+            name=ref,
+            ids=ids,
+        )
+    return ids[0]
+
+
+def _path(path: str) -> str:
+    """Paths inside a volume are absolute; "src/a.c" means "/src/a.c"."""
+    return path if path.startswith("/") else "/" + path
+
+
+def _facts(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, title_justify="left", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", overflow="fold")
+    for what, value in rows:
+        table.add_row(what, Text(value))
+    return table
+
+
+def _volume_facts(title: str, info: dict[str, Any]) -> Table:
+    counters = info["counters"]
+    return _facts(
+        title,
+        [
+            ("id", str(info["id"])),
+            ("name", str(info["name"])),
+            ("shard", str(info["shard"])),
+            ("base", info["base"] or "-"),
+            ("quota", format_quota(info)),
+            ("referenced", format_bytes(counters["referenced_bytes"])),
+            ("unique", format_bytes(counters["unique_bytes"])),
+            ("metadata", format_bytes(counters["metadata_bytes"])),
+            ("charged", format_bytes(counters["charged_bytes"])),
+            ("host physical", format_bytes(counters["host_physical_bytes"])),
+        ],
+    )
+
+
+def _volume_table(volumes: list[dict[str, Any]]) -> Table:
+    table = Table(title="Volumes", title_justify="left")
+    for column in ("id", "name", "shard", "base", "quota"):
+        table.add_column(column, overflow="fold")
+    table.add_column("referenced", justify="right")
+    table.add_column("unique", justify="right")
+    for info in volumes:
+        counters = info["counters"]
+        table.add_row(
+            Text(str(info["id"])),
+            Text(str(info["name"])),
+            str(info["shard"]),
+            Text(info["base"] or "-"),
+            format_quota(info),
+            format_bytes(counters["referenced_bytes"]),
+            format_bytes(counters["unique_bytes"]),
+        )
+    if not volumes:
+        table.caption = "no volumes"
+    return table
+
+
+# -- status ------------------------------------------------------------------
+
+
+@click.command()
+@runtime_dir_option
+@json_option
+def status(runtime_dir: str | None, as_json: bool) -> None:
+    """The service: anchor, shards and their volumes, mounts."""
+    with _client(runtime_dir) as client:
+        report: dict[str, Any] = client.status()
+    if as_json:
+        _echo_json(report)
+        return
+    console = Console()
+    console.print(
+        _facts(
+            "Slates service",
+            [
+                ("anchor pid", str(report["anchor_pid"])),
+                ("capacity", f"{format_bytes(report['capacity'])} ({report['capacity']:,} B)"),
+            ],
+        )
+    )
+    shards = Table(title="Shards", title_justify="left")
+    shards.add_column("shard", justify="right")
+    shards.add_column("pid", justify="right")
+    shards.add_column("restarts", justify="right")
+    shards.add_column("volumes", overflow="fold")
+    shards.add_column("snapshots", justify="right")
+    shards.add_column("failed", overflow="fold")
+    for shard in report["shards"]:
+        volumes = "\n".join(f"{v['id']} {v['name']}" for v in shard["volumes"]) or "-"
+        failed = "\n".join(f"{vid}: {e['code']}" for vid, e in shard["failed"].items()) or "-"
+        shards.add_row(
+            str(shard["shard"]),
+            str(shard["pid"]),
+            str(shard["restarts"]),
+            Text(volumes),
+            str(len(shard["snapshots"])),
+            Text(failed),
+        )
+    console.print(shards)
+    if not report["mounts"]:
+        console.print("Mounts: none")
+        return
+    mounts = Table(title="Mounts", title_justify="left")
+    for column in ("directory", "volume", "bridge pid"):
+        mounts.add_column(column, overflow="fold")
+    for mount in report["mounts"]:
+        mounts.add_row(
+            Text(str(mount.get("directory", "?"))),
+            Text(str(mount.get("volume", "?"))),
+            str(mount.get("bridge_pid", "?")),
+        )
+    console.print(mounts)
+
+
+# -- volumes -----------------------------------------------------------------
+
+
+@click.group()
+def volume() -> None:
+    """Create, list, show and delete volumes."""
+
+
+@volume.command("create")
+@click.argument("name")
+@click.option("--base", metavar="PATH", default=None, help="Start over this live directory.")
+@click.option(
+    "--from", "from_snapshot", metavar="SNAPSHOT", default=None, help="Start from a snapshot."
+)
+@click.option("--capture", is_flag=True, help="Read the base once into Slates (with --base).")
+@click.option("--bounded", metavar="SIZE", default=None, help="Reserve SIZE, e.g. 4GiB.")
+@click.option("--dynamic", metavar="MAX", default=None, help="Grow on demand up to MAX.")
+@click.option("--case-insensitive", is_flag=True, help="Names match regardless of case.")
+@runtime_dir_option
+@json_option
+def volume_create(
+    name: str,
+    base: str | None,
+    from_snapshot: str | None,
+    capture: bool,
+    bounded: str | None,
+    dynamic: str | None,
+    case_insensitive: bool,
+    runtime_dir: str | None,
+    as_json: bool,
+) -> None:
+    """Create volume NAME: empty, over a base directory, or from a snapshot."""
+    try:
+        bounded_bytes, dynamic_bytes = parse_quota(bounded, dynamic)
+        if base is not None and from_snapshot is not None:
+            raise InvalidArgument("choose --base or --from, not both")
+        if capture and base is None:
+            raise InvalidArgument("--capture needs --base (the directory to capture)")
+    except SlatesError as error:
+        _fail(error)
+    with _client(runtime_dir) as client:
+        spinner: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if capture and not as_json:
+            spinner = Console(stderr=True).status(f"capturing {base} ...")
+        with spinner:
+            info: dict[str, Any] = client.create_volume(
+                name,
+                base=base,
+                from_snapshot=from_snapshot,
+                capture=capture,
+                bounded=bounded_bytes,
+                dynamic=dynamic_bytes,
+                case_insensitive=case_insensitive,
+            )
+    if as_json:
+        _echo_json(info)
+    else:
+        Console().print(_volume_facts(f"Created volume {info['id']}", info))
+
+
+@volume.command("list")
+@runtime_dir_option
+@json_option
+def volume_list(runtime_dir: str | None, as_json: bool) -> None:
+    """Every volume on this host, with its quota and counters."""
+    with _client(runtime_dir) as client:
+        volumes: list[dict[str, Any]] = client.list_volumes()
+    if as_json:
+        _echo_json(volumes)
+    else:
+        Console().print(_volume_table(volumes))
+
+
+@volume.command("show")
+@click.argument("volume_ref", metavar="VOLUME")
+@runtime_dir_option
+@json_option
+def volume_show(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None:
+    """One volume (by id or unique name): quota and counters."""
+    with _client(runtime_dir) as client:
+        info: dict[str, Any] = client.show_volume(resolve_volume(client, volume_ref))
+    if as_json:
+        _echo_json(info)
+    else:
+        Console().print(_volume_facts(f"Volume {info['id']}", info))
+
+
+@volume.command("delete")
+@click.argument("volume_ref", metavar="VOLUME")
+@runtime_dir_option
+@json_option
+def volume_delete(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None:
+    """Delete a volume (by id or unique name); its snapshots stay."""
+    with _client(runtime_dir) as client:
+        vid = resolve_volume(client, volume_ref)
+        client.delete_volume(vid)
+    if as_json:
+        _echo_json({"deleted": vid})
+    else:
+        click.echo(f"deleted {vid}")
+
+
+# -- snapshots and clones ----------------------------------------------------
+
+
+@click.command()
+@click.argument("volume_ref", metavar="VOLUME")
+@runtime_dir_option
+@json_option
+def snapshot(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None:
+    """Take a snapshot of VOLUME (by id or unique name); prints the snapshot id."""
+    with _client(runtime_dir) as client:
+        vid = resolve_volume(client, volume_ref)
+        snapshot_id = str(client.snapshot(vid))
+    if as_json:
+        _echo_json({"snapshot": snapshot_id, "volume": vid})
+    else:
+        click.echo(snapshot_id)
+
+
+@click.command()
+@click.argument("snapshot_id", metavar="SNAPSHOT")
+@click.argument("name")
+@click.option("--bounded", metavar="SIZE", default=None, help="Reserve SIZE, e.g. 4GiB.")
+@click.option("--dynamic", metavar="MAX", default=None, help="Grow on demand up to MAX.")
+@runtime_dir_option
+@json_option
+def clone(
+    snapshot_id: str,
+    name: str,
+    bounded: str | None,
+    dynamic: str | None,
+    runtime_dir: str | None,
+    as_json: bool,
+) -> None:
+    """Create volume NAME from SNAPSHOT (sharing its content, copy on write)."""
+    try:
+        bounded_bytes, dynamic_bytes = parse_quota(bounded, dynamic)
+    except SlatesError as error:
+        _fail(error)
+    with _client(runtime_dir) as client:
+        info: dict[str, Any] = client.clone(
+            snapshot_id, name, bounded=bounded_bytes, dynamic=dynamic_bytes
+        )
+    if as_json:
+        _echo_json(info)
+    else:
+        Console().print(_volume_facts(f"Cloned {snapshot_id} as volume {info['id']}", info))
+
+
+# -- files -------------------------------------------------------------------
+
+
+@click.command()
+@click.argument("volume_ref", metavar="VOLUME")
+@click.argument("path")
+@runtime_dir_option
+def read(volume_ref: str, path: str, runtime_dir: str | None) -> None:
+    """Copy the file PATH of VOLUME to stdout, byte for byte."""
+    out = sys.stdout.buffer
+    with _client(runtime_dir) as client:
+        vid = resolve_volume(client, volume_ref)
+        offset = 0
+        while True:
+            piece = bytes(client.read(vid, _path(path), offset, CHUNK))
+            out.write(piece)
+            offset += len(piece)
+            if len(piece) < CHUNK:
+                break
+    out.flush()
+
+
+@click.command()
+@click.argument("volume_ref", metavar="VOLUME")
+@click.argument("path")
+@runtime_dir_option
+@json_option
+def write(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) -> None:
+    """Replace the file PATH of VOLUME (created if absent) with stdin."""
+    source = sys.stdin.buffer
+    with _client(runtime_dir) as client:
+        vid = resolve_volume(client, volume_ref)
+        target = _path(path)
+        offset = 0
+        first = True
+        while True:
+            piece = source.read(CHUNK)
+            if not piece and not first:
+                break
+            offset += int(client.write(vid, target, piece, offset, truncate=first))
+            first = False
+    if as_json:
+        _echo_json({"volume": vid, "path": target, "written": offset})
+    else:
+        click.echo(f"wrote {offset:,} B to {vid}:{target}")
+
+
+@click.command()
+@click.argument("volume_ref", metavar="VOLUME")
+@click.argument("path", default="/")
+@runtime_dir_option
+@json_option
+def ls(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) -> None:
+    """List the directory PATH (default /) of VOLUME."""
+    with _client(runtime_dir) as client:
+        vid = resolve_volume(client, volume_ref)
+        entries: list[dict[str, Any]] = client.list(vid, _path(path))
+    if as_json:
+        _echo_json(entries)
+        return
+    table = Table(title=f"{vid}:{_path(path)}", title_justify="left")
+    table.add_column("name", overflow="fold")
+    table.add_column("kind")
+    for entry in entries:
+        table.add_row(Text(str(entry["name"])), str(entry["kind"]))
+    if not entries:
+        table.caption = "empty"
+    Console().print(table)
