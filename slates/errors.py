@@ -32,6 +32,7 @@ __all__ = [
     "OutOfRange",
     "TooBig",
     "NotSupported",
+    "NoSuchOffset",
     "ConsistentBaseUnavailable",
     "BaseDrift",
     "Conflict",
@@ -136,6 +137,11 @@ class TooBig(InvalidArgument):
 class NotSupported(InvalidArgument):
     code = "NotSupported"
     errno_name = "EOPNOTSUPP"
+
+
+class NoSuchOffset(InvalidArgument):
+    code = "NoSuchOffset"
+    errno_name = "ENXIO"
 
 
 class ConsistentBaseUnavailable(SlatesError):

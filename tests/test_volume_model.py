@@ -435,6 +435,58 @@ class VolumeMachine(RuleBasedStateMachine):
         else:
             node.data.extend(bytes(size - len(node.data)))
 
+    @rule(data=st.data(), offset=OFFSETS, length=st.integers(0, 4 * PAGE))
+    def punch_hole(self, data: st.DataObject, offset: int, length: int) -> None:
+        space = self._space(data)
+        target = self._file(data, space)
+        if target is None:
+            return
+        node = space.model.nodes[target[0]]
+        space.volume.punch_hole(target[1], offset, length, time_ns=self._tick())
+        end = min(offset + length, len(node.data))
+        if offset < end:
+            node.data[offset:end] = bytes(end - offset)
+
+    @rule(
+        data=st.data(),
+        src_offset=st.sampled_from([0, 5, PAGE, 2 * PAGE]),
+        dst_offset=st.sampled_from([0, 7, PAGE, 3 * PAGE]),
+        length=st.integers(0, 3 * PAGE),
+    )
+    def copy_range(
+        self, data: st.DataObject, src_offset: int, dst_offset: int, length: int
+    ) -> None:
+        space = self._space(data)
+        source, target = self._file(data, space), self._file(data, space)
+        if source is None or target is None:
+            return
+        src_node, dst_node = space.model.nodes[source[0]], space.model.nodes[target[0]]
+        piece = bytes(src_node.data[src_offset : src_offset + length])
+        overlap = (
+            source[1] == target[1]
+            and piece
+            and src_offset < dst_offset + len(piece)
+            and dst_offset < src_offset + len(piece)
+        )
+
+        def model_op() -> int:
+            if overlap:
+                raise InvalidArgument("overlap")
+            if piece:
+                if len(dst_node.data) < dst_offset:
+                    dst_node.data.extend(bytes(dst_offset - len(dst_node.data)))
+                dst_node.data[dst_offset : dst_offset + len(piece)] = piece
+            return len(piece)
+
+        def volume_op() -> int:
+            copied = space.volume.copy_range(
+                source[1], src_offset, target[1], dst_offset, length, time_ns=self._tick()
+            )
+            assert copied == len(piece)
+            return copied
+
+        self._both(space, model_op, volume_op)
+
     @rule(data=st.data(), offset=OFFSETS, size=st.integers(0, 3 * PAGE))
     def read(self, data: st.DataObject, offset: int, size: int) -> None:
         space = self._space(data)
@@ -582,7 +634,7 @@ class VolumeMachine(RuleBasedStateMachine):
 
 TestVolumeMachine = VolumeMachine.TestCase
 TestVolumeMachine.settings = settings(
-    max_examples=150,
+    max_examples=300,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

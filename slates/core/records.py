@@ -40,6 +40,8 @@ __all__ = [
     "Rename",
     "Write",
     "Truncate",
+    "PunchHole",
+    "ShareRange",
     "SetAttr",
     "SetXattr",
     "RemoveXattr",
@@ -239,6 +241,28 @@ class Write(Record):
 class Truncate(Record):
     ino: int
     size: int
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PunchHole(Record):
+    """Drop the content of whole pages [offset, offset+length): they read as zeros."""
+
+    ino: int
+    offset: int
+    length: int
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShareRange(Record):
+    """Make [dst_offset, +length) of one file refer to another's sealed chunks (no copy)."""
+
+    src_ino: int
+    src_offset: int
+    dst_ino: int
+    dst_offset: int
+    length: int
     time_ns: int
 
 

@@ -52,6 +52,7 @@ from typing import Protocol
 import immutables
 
 from slates.core.extents import (
+    PAGE,
     BaseSpan,
     ChunkSpan,
     Extent,
@@ -82,6 +83,7 @@ from slates.core.records import (
     Link,
     Mkdir,
     Mknod,
+    PunchHole,
     Record,
     RemoveXattr,
     Rename,
@@ -90,6 +92,7 @@ from slates.core.records import (
     Seal,
     SetAttr,
     SetXattr,
+    ShareRange,
     Symlink,
     TakeSnapshot,
     Truncate,
@@ -105,6 +108,7 @@ from slates.errors import (
     IsADirectory,
     NameTooLong,
     NoSuchAttribute,
+    NoSuchOffset,
     NotADirectory,
     NotFound,
     NotPermitted,
@@ -427,6 +431,7 @@ class Volume:
         self._next_buffer = 1
         self._handles: dict[int, int] = {}
         self._dirty: set[int] = set()
+        self._fresh: set[int] = set()  # page buffers made by the record being applied
         self._closed = False
         # Called after every applied record with its result: the journal's seam.
         self.on_applied: Callable[[Record, object], None] | None = None
@@ -554,6 +559,7 @@ class Volume:
         """Apply one record; returns its result or raises with no effect."""
         self._require_open()
         txn = _Txn(self.root)
+        self._fresh.clear()
         match record:
             case BindBase():
                 result: object = self._bind_base(txn, record)
@@ -625,6 +631,11 @@ class Volume:
             case Truncate():
                 result = None
                 self._truncate(txn, record)
+            case PunchHole():
+                result = None
+                self._punch_hole(txn, record)
+            case ShareRange():
+                result = self._share_range(txn, record)
             case SetAttr():
                 result = self._setattr(txn, record)
             case SetXattr():
@@ -664,13 +675,15 @@ class Volume:
         unique = self.unique_bytes
         page_delta = 0
         meta_delta = 0
-        dead_buffers: set[int] = set()
+        dead_buffers: set[int] = set(self._fresh)
+        live_buffers: set[int] = set()
         for ino, old in txn.before.items():
             new = txn.inodes.get(ino)
             referenced += _referenced(new) - _referenced(old)
             unique += self._unique(new) - self._unique(old)
             page_delta += _page_bytes(new) - _page_bytes(old)
-            dead_buffers |= _buffer_ids(old) - _buffer_ids(new)
+            dead_buffers |= _buffer_ids(old)
+            live_buffers |= _buffer_ids(new)
             if ino >= self._own_mark:
                 meta_delta += _metadata(new) - _metadata(old)
             if new is not None and _buffer_ids(new):
@@ -679,8 +692,9 @@ class Volume:
                 self._dirty.discard(ino)
             if new is None:
                 self._handles.pop(ino, None)
-        for buffer_id in dead_buffers:
+        for buffer_id in dead_buffers - live_buffers:
             del self._buffers[buffer_id]
+        self._fresh.clear()
         self.root = dataclasses.replace(
             self.root,
             inodes=txn.inodes.finish(),
@@ -1050,8 +1064,72 @@ class Volume:
             return splice(extents, prev.start, end, [grown])
         buffer_id = self._next_buffer
         self._next_buffer += 1
+        self._fresh.add(buffer_id)
         self._buffers[buffer_id] = bytearray(data)
         return splice(extents, start, end, [PageSpan(start, len(data), buffer_id)])
+
+    def _split_pages_at(self, extents: tuple[Extent, ...], at: int) -> tuple[Extent, ...]:
+        """Split the page extent that straddles the page boundary `at`, if any."""
+        for extent in overlapping(extents, at, at + 1):
+            if isinstance(extent, PageSpan) and extent.start < at:
+                buffer = self._buffers[extent.buffer_id]
+                right = self._next_buffer
+                self._next_buffer += 1
+                self._fresh.add(right)
+                self._buffers[right] = buffer[at - extent.start :]
+                del buffer[at - extent.start :]
+                pieces: list[Extent] = [
+                    PageSpan(extent.start, at - extent.start, extent.buffer_id),
+                    PageSpan(at, extent.start + extent.length - at, right),
+                ]
+                return splice(extents, extent.start, extent.start + extent.length, pieces)
+        return extents
+
+    def _check_pages(self, *offsets: int) -> None:
+        if any(offset % PAGE for offset in offsets):
+            raise InvalidArgument("the range must lie on page boundaries")
+
+    def _punch_hole(self, txn: _Txn, r: PunchHole) -> None:
+        inode = txn.file(r.ino)
+        body = inode.body
+        assert isinstance(body, FileBody)
+        _check_count(r.offset, "offset")
+        _check_count(r.length, "length")
+        end = r.offset + r.length
+        self._check_pages(r.offset, end)
+        extents = self._split_pages_at(self._split_pages_at(body.extents, r.offset), end)
+        extents = splice(extents, r.offset, end, [])
+        body = dataclasses.replace(body, extents=extents)
+        txn.put(dataclasses.replace(inode, body=body, mtime_ns=r.time_ns, ctime_ns=r.time_ns))
+
+    def _share_range(self, txn: _Txn, r: ShareRange) -> int:
+        source = txn.file(r.src_ino)
+        target = txn.file(r.dst_ino)
+        src_body, dst_body = source.body, target.body
+        assert isinstance(src_body, FileBody) and isinstance(dst_body, FileBody)
+        for value in (r.src_offset, r.dst_offset, r.length):
+            _check_count(value, "range")
+        self._check_pages(r.src_offset, r.dst_offset, r.length)
+        src_end, dst_end = r.src_offset + r.length, r.dst_offset + r.length
+        if src_end > src_body.size or dst_end > MAX_FILE_SIZE:
+            raise InvalidArgument("the range lies beyond the source file")
+        if r.src_ino == r.dst_ino and r.src_offset < dst_end and r.dst_offset < src_end:
+            raise InvalidArgument("source and destination ranges overlap")
+        shared: list[Extent] = []
+        for extent in overlapping(src_body.extents, r.src_offset, src_end):
+            if not isinstance(extent, ChunkSpan):
+                raise InvalidArgument("only sealed content can be shared", ino=r.src_ino)
+            piece = trim(extent, r.src_offset, src_end)
+            assert isinstance(piece, ChunkSpan)
+            shift = r.dst_offset - r.src_offset
+            shared.append(dataclasses.replace(piece, start=piece.start + shift))
+        extents = self._split_pages_at(
+            self._split_pages_at(dst_body.extents, r.dst_offset), dst_end
+        )
+        extents = splice(extents, r.dst_offset, dst_end, shared)
+        dst_body = dataclasses.replace(dst_body, extents=extents, size=max(dst_body.size, dst_end))
+        txn.put(dataclasses.replace(target, body=dst_body, mtime_ns=r.time_ns, ctime_ns=r.time_ns))
+        return r.length
 
     def _truncate(self, txn: _Txn, r: Truncate) -> None:
         inode = txn.file(r.ino)
@@ -1303,6 +1381,35 @@ class Volume:
             return b""
         return self._read_extents(inode, offset, end)
 
+    def parent_of(self, ino: int) -> int:
+        return self._dir_body(ino).parent
+
+    def held_inodes(self) -> list[int]:
+        """Inodes that open handles or kernel lookups still hold."""
+        return sorted(self._handles)
+
+    def seek(self, ino: int, offset: int, whence: str) -> int:
+        """SEEK_DATA ("data") or SEEK_HOLE ("hole") from `offset`."""
+        inode = self._inode(ino)
+        body = inode.body
+        if not isinstance(body, FileBody):
+            raise InvalidArgument("not a regular file", ino=ino)
+        _check_count(offset, "offset")
+        if offset >= body.size:
+            raise NoSuchOffset("offset at or beyond the end of the file", offset=offset)
+        cursor = offset
+        for extent in overlapping(body.extents, offset, body.size):
+            if whence == "data":
+                return max(offset, extent.start)
+            if extent.start > cursor:
+                return cursor  # a gap before this extent
+            cursor = extent.start + extent.length
+        if whence == "data":
+            raise NoSuchOffset("no data after the offset", offset=offset)
+        if whence != "hole":
+            raise InvalidArgument("whence is data or hole", whence=whence)
+        return min(max(cursor, offset), body.size)
+
     def dir_info(self, ino: int) -> DirInfo:
         body = self._dir_body(ino)
         return DirInfo(body.base_path, tuple(sorted(body.whiteouts)))
@@ -1451,6 +1558,62 @@ class Volume:
 
     def truncate(self, ino: int, size: int, *, time_ns: int = 0) -> None:
         self.apply(Truncate(ino, size, time_ns))
+
+    def punch_hole(self, ino: int, offset: int, length: int, *, time_ns: int = 0) -> None:
+        """Make [offset, offset+length) read as zeros; whole pages stop being stored."""
+        _check_count(offset, "offset")
+        _check_count(length, "length")
+        size = self.getattr(ino).size
+        end = min(offset + length, size)
+        if offset >= end:
+            return
+        first, last = page_ceil(offset), page_floor(end)
+        if first >= last:
+            self.write(ino, offset, bytes(end - offset), time_ns=time_ns)
+            return
+        if offset < first:
+            self.write(ino, offset, bytes(first - offset), time_ns=time_ns)
+        if last < end:
+            self.write(ino, last, bytes(end - last), time_ns=time_ns)
+        self.apply(PunchHole(ino, first, last - first, time_ns))
+
+    def copy_range(
+        self, src: int, src_offset: int, dst: int, dst_offset: int, length: int, *, time_ns: int = 0
+    ) -> int:
+        """copy_file_range: whole sealed pages are shared, not copied; the rest is copied."""
+        for value in (src_offset, dst_offset, length):
+            _check_count(value, "range")
+        self.read(dst, 0, 0)  # both must be regular files
+        size = self.getattr(src).size
+        length = min(length, max(0, size - src_offset))
+        if (
+            src == dst
+            and length
+            and src_offset < dst_offset + length
+            and (dst_offset < src_offset + length)
+        ):
+            raise InvalidArgument("source and destination ranges overlap")
+        shareable = length // PAGE * PAGE if src_offset % PAGE == dst_offset % PAGE == 0 else 0
+        source = self._inode(src).body
+        assert isinstance(source, FileBody)
+        if shareable and any(
+            isinstance(e, BaseSpan)
+            for e in overlapping(source.extents, src_offset, src_offset + shareable)
+        ):
+            shareable = 0  # base content is read through, not stored: copy it
+        if shareable:
+            if any(
+                isinstance(e, PageSpan)
+                for e in overlapping(source.extents, src_offset, src_offset + shareable)
+            ):
+                self.seal()
+            self.apply(ShareRange(src, src_offset, dst, dst_offset, shareable, time_ns))
+        done = shareable
+        while done < length:
+            piece = self.read(src, src_offset + done, min(1 << 20, length - done))
+            self.write(dst, dst_offset + done, piece, time_ns=time_ns)
+            done += len(piece)
+        return done
 
     def setattr(
         self,

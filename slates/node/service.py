@@ -49,6 +49,7 @@ from slates.errors import (
     VerificationFailed,
     error_from_wire,
 )
+from slates.node.fsops import run_fs_op
 from slates.node.protocol import Request, error_reply, ok_reply
 
 __all__ = ["ShardService", "MAX_UNACKED", "READ_ONLY_OPS", "shard_of"]
@@ -56,6 +57,8 @@ __all__ = ["ShardService", "MAX_UNACKED", "READ_ONLY_OPS", "shard_of"]
 MAX_UNACKED = 1024
 READ_ONLY_OPS = frozenset(
     {"status", "volume.list", "volume.show", "read", "list", "stat", "readlink"}
+    | {"fs.getattr", "fs.read", "fs.readlink", "fs.getxattr", "fs.listxattr", "fs.statfs"}
+    | {"fs.lseek", "fs.access", "fs.fsync"}
 )
 Event = list[Any]
 
@@ -234,6 +237,8 @@ class ShardService:
 
     def _run_file_op(self, op: str, args: dict[str, Any], now: int) -> Any:
         _vid, volume = self._volume(args)
+        if op.startswith("fs."):
+            return run_fs_op(volume, op, args, now)
         match op:
             case "read":
                 ino = volume.resolve(_path_arg(args))

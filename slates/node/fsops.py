@@ -1,0 +1,349 @@
+"""The fs.* operations a mount bridge sends, on one volume (slates/fuse/PROTOCOL.md).
+
+Theory of operation: a bridge speaks the kernel's language: inode numbers,
+lookup references, readdir cookies.  This module translates each fs.*
+request into the volume's operation methods (which settle base names and
+apply records), so every effect is a journaled record like any other
+client's.  Every reply that hands the kernel an entry also takes one
+lookup reference (a Retain record): the kernel may hold an unlinked file
+open through it, and the volume keeps the inode until fs.forget drops the
+last one.  No I/O here besides the volume's own base reads.
+"""
+
+from __future__ import annotations
+
+import stat
+from typing import Any
+
+import blake3
+
+from slates.core.extents import PAGE
+from slates.core.records import Attr, Kind
+from slates.core.volume import MAX_FILE_SIZE, Volume
+from slates.errors import AlreadyExists, InvalidArgument, IsADirectory, NotFound
+
+__all__ = ["run_fs_op", "attr_map", "entry_size", "cookie_of", "MODE_BITS"]
+
+MODE_BITS = {
+    Kind.FILE: stat.S_IFREG,
+    Kind.DIR: stat.S_IFDIR,
+    Kind.SYMLINK: stat.S_IFLNK,
+    Kind.FIFO: stat.S_IFIFO,
+    Kind.SOCKET: stat.S_IFSOCK,
+    Kind.CHAR_DEVICE: stat.S_IFCHR,
+    Kind.BLOCK_DEVICE: stat.S_IFBLK,
+}
+_KINDS = {bits: kind for kind, bits in MODE_BITS.items()}
+SEEK_DATA = 3
+SEEK_HOLE = 4
+FALLOC_FL_KEEP_SIZE = 1
+FALLOC_FL_PUNCH_HOLE = 2
+FALLOC_FL_ZERO_RANGE = 16
+MAX_READ = 4 << 20
+
+
+def attr_map(attr: Attr) -> dict[str, int]:
+    return {
+        "ino": attr.ino,
+        "mode": MODE_BITS[attr.kind] | attr.mode,
+        "nlink": attr.nlink,
+        "uid": attr.uid,
+        "gid": attr.gid,
+        "size": attr.size,
+        "blocks": attr.blocks,
+        "atime_ns": attr.atime_ns,
+        "mtime_ns": attr.mtime_ns,
+        "ctime_ns": attr.ctime_ns,
+        "rdev": attr.rdev,
+    }
+
+
+def entry_size(name: str, plus: bool) -> int:
+    """Bytes a directory entry takes in the kernel's buffer (fuse_dirent[plus])."""
+    size = (24 + len(name.encode("utf-8", "surrogateescape")) + 7) & ~7
+    return size + (128 if plus else 0)
+
+
+def cookie_of(name: str) -> int:
+    """A readdir cookie: stable per name, so removals never make a listing skip."""
+    digest = blake3.blake3(name.encode("utf-8", "surrogateescape")).digest()
+    return (int.from_bytes(digest[:8], "big") >> 1) | 4  # above "." (1) and ".." (2)
+
+
+def _int(args: dict[str, Any], key: str) -> int:
+    value = args.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"{key} must be a non-negative integer", field=key)
+    return value
+
+
+def _opt(args: dict[str, Any], key: str) -> int | None:
+    return None if args.get(key) is None else _int(args, key)
+
+
+def _name(args: dict[str, Any], key: str = "name") -> str:
+    value = args.get(key)
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "surrogateescape")
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{key} must be a name", field=key)
+    return value
+
+
+def _entry(volume: Volume, attr: Attr) -> dict[str, int]:
+    volume.retain(attr.ino)
+    return attr_map(attr)
+
+
+def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
+    """Run one fs.* operation on `volume` at time `now`."""
+    match op:
+        case "fs.lookup":
+            return _entry(volume, volume.lookup(_int(args, "parent"), _name(args)))
+        case "fs.forget":
+            items = args.get("items")
+            if not isinstance(items, list | tuple):
+                raise InvalidArgument("items must be a list of [ino, count]")
+            for item in items:
+                if not isinstance(item, list | tuple) or len(item) != 2:
+                    raise InvalidArgument("items must be a list of [ino, count]")
+                ino, count = item
+                held = volume.handles(ino)
+                if held:
+                    volume.forget(ino, min(count, held))
+            return {}
+        case "fs.destroy":
+            for ino in volume.held_inodes():
+                volume.forget(ino, volume.handles(ino))
+            return {}
+        case "fs.getattr":
+            return attr_map(volume.getattr(_int(args, "ino")))
+        case "fs.setattr":
+            return _setattr(volume, args, now)
+        case "fs.readlink":
+            return volume.readlink(_int(args, "ino"))
+        case "fs.mknod":
+            return _mknod(volume, args, now)
+        case "fs.mkdir":
+            attr = volume.mkdir(
+                _int(args, "parent"),
+                _name(args),
+                _int(args, "mode") & 0o7777,
+                uid=_int(args, "uid"),
+                gid=_int(args, "gid"),
+                time_ns=now,
+            )
+            return _entry(volume, attr)
+        case "fs.unlink":
+            volume.unlink(_int(args, "parent"), _name(args), time_ns=now)
+            return {}
+        case "fs.rmdir":
+            volume.rmdir(_int(args, "parent"), _name(args), time_ns=now)
+            return {}
+        case "fs.symlink":
+            attr = volume.symlink(
+                _int(args, "parent"),
+                _name(args),
+                _name(args, "target"),
+                uid=_int(args, "uid"),
+                gid=_int(args, "gid"),
+                time_ns=now,
+            )
+            return _entry(volume, attr)
+        case "fs.rename":
+            volume.rename(
+                _int(args, "parent"),
+                _name(args),
+                _int(args, "new_parent"),
+                _name(args, "new_name"),
+                _int(args, "flags"),
+                time_ns=now,
+            )
+            return {}
+        case "fs.link":
+            attr = volume.link(
+                _int(args, "ino"), _int(args, "new_parent"), _name(args, "new_name"), time_ns=now
+            )
+            return _entry(volume, attr)
+        case "fs.create":
+            return _create(volume, args, now)
+        case "fs.read":
+            size = min(_int(args, "size"), MAX_READ)
+            return volume.read(_int(args, "ino"), _int(args, "offset"), size)
+        case "fs.write":
+            data = args.get("data")
+            if not isinstance(data, bytes):
+                raise InvalidArgument("data must be bytes")
+            return volume.write(_int(args, "ino"), _int(args, "offset"), data, time_ns=now)
+        case "fs.fsync":
+            volume.getattr(_int(args, "ino"))
+            return {}  # acknowledged writes are already committed to the journal
+        case "fs.statfs":
+            return _statfs(volume)
+        case "fs.readdir":
+            return _readdir(volume, args)
+        case "fs.setxattr":
+            value = args.get("value")
+            if not isinstance(value, bytes):
+                raise InvalidArgument("value must be bytes")
+            volume.setxattr(_int(args, "ino"), _name(args), value, _int(args, "flags"), time_ns=now)
+            return {}
+        case "fs.getxattr":
+            return volume.getxattr(_int(args, "ino"), _name(args))
+        case "fs.listxattr":
+            return volume.listxattr(_int(args, "ino"))
+        case "fs.removexattr":
+            volume.removexattr(_int(args, "ino"), _name(args), time_ns=now)
+            return {}
+        case "fs.fallocate":
+            return _fallocate(volume, args, now)
+        case "fs.lseek":
+            return volume.seek(_int(args, "ino"), _int(args, "offset"), _seek_whence(args))
+        case "fs.copy_file_range":
+            return volume.copy_range(
+                _int(args, "ino_in"),
+                _int(args, "off_in"),
+                _int(args, "ino_out"),
+                _int(args, "off_out"),
+                _int(args, "length"),
+                time_ns=now,
+            )
+        case "fs.access":
+            volume.getattr(_int(args, "ino"))
+            return {}  # permissions are checked by the kernel (default_permissions)
+        case _:
+            raise InvalidArgument("unknown operation", op=op)
+
+
+def _seek_whence(args: dict[str, Any]) -> str:
+    whence = _int(args, "whence")
+    if whence == SEEK_DATA:
+        return "data"
+    if whence == SEEK_HOLE:
+        return "hole"
+    raise InvalidArgument("lseek supports SEEK_DATA and SEEK_HOLE here", whence=whence)
+
+
+def _setattr(volume: Volume, args: dict[str, Any], now: int) -> dict[str, int]:
+    ino = _int(args, "ino")
+    size = _opt(args, "size")
+    if size is not None:
+        volume.truncate(ino, size, time_ns=now)
+    mode = _opt(args, "mode")
+    changes = {
+        "mode": None if mode is None else mode & 0o7777,
+        "uid": _opt(args, "uid"),
+        "gid": _opt(args, "gid"),
+        "atime_ns": _opt(args, "atime_ns"),
+        "mtime_ns": _opt(args, "mtime_ns"),
+    }
+    if any(value is not None for value in changes.values()):
+        return attr_map(volume.setattr(ino, time_ns=now, **changes))
+    return attr_map(volume.getattr(ino))
+
+
+def _mknod(volume: Volume, args: dict[str, Any], now: int) -> dict[str, int]:
+    mode = _int(args, "mode")
+    kind = _KINDS.get(stat.S_IFMT(mode))
+    parent, name, uid, gid = _int(args, "parent"), _name(args), _int(args, "uid"), _int(args, "gid")
+    if kind is None:
+        raise InvalidArgument("unknown file type", mode=mode)
+    if kind == Kind.FILE:
+        attr = volume.create(parent, name, mode & 0o7777, uid=uid, gid=gid, time_ns=now)
+    elif kind == Kind.DIR:
+        raise InvalidArgument("mknod does not make directories")
+    else:
+        attr = volume.mknod(
+            parent, name, kind, mode & 0o7777, _int(args, "rdev"), uid=uid, gid=gid, time_ns=now
+        )
+    return _entry(volume, attr)
+
+
+def _create(volume: Volume, args: dict[str, Any], now: int) -> dict[str, int]:
+    parent, name = _int(args, "parent"), _name(args)
+    try:
+        attr = volume.create(
+            parent,
+            name,
+            _int(args, "mode") & 0o7777,
+            uid=_int(args, "uid"),
+            gid=_int(args, "gid"),
+            time_ns=now,
+        )
+    except AlreadyExists:
+        if args.get("exclusive", True):
+            raise
+        attr = volume.lookup(parent, name)
+        if attr.kind == Kind.DIR:
+            raise IsADirectory("is a directory", name=name) from None
+    return _entry(volume, attr)
+
+
+def _statfs(volume: Volume) -> dict[str, int]:
+    counters = volume.counters()
+    limit = min(counters.limit_bytes, counters.host_capacity_bytes)
+    free = max(0, limit - counters.charged_bytes)
+    if not counters.bounded:
+        free = min(free, max(0, counters.host_capacity_bytes - counters.host_physical_bytes))
+    blocks = min(limit // PAGE, (1 << 62) // PAGE)
+    return {
+        "bsize": PAGE,
+        "frsize": PAGE,
+        "blocks": blocks,
+        "bfree": min(free // PAGE, blocks),
+        "bavail": min(free // PAGE, blocks),
+        "files": 1 << 32,
+        "ffree": (1 << 32) - len(volume.root.inodes),
+        "namemax": 255,
+    }
+
+
+def _readdir(volume: Volume, args: dict[str, Any]) -> list[list[Any]]:
+    ino, offset, plus = _int(args, "ino"), _int(args, "offset"), bool(args.get("plus"))
+    budget = _int(args, "limit_bytes")
+    parent = volume.parent_of(ino)
+    entries: list[tuple[int, str, int, int]] = [
+        (1, ".", stat.S_IFDIR, ino),
+        (2, "..", stat.S_IFDIR, parent),
+    ]
+    entries += sorted(
+        (cookie_of(item.name), item.name, MODE_BITS[item.kind], item.ino)
+        for item in volume.readdir(ino)
+    )
+    out: list[list[Any]] = []
+    for cookie, name, mode_bits, child in entries:
+        if cookie <= offset:
+            continue
+        cost = entry_size(name, plus)
+        if cost > budget:
+            break
+        budget -= cost
+        attr: dict[str, int] | None = None
+        if plus and name not in (".", ".."):
+            try:
+                attr = _entry(volume, volume.lookup(ino, name))
+            except NotFound:
+                continue  # vanished from the base since it was listed
+            child = attr["ino"]
+        out.append([name, mode_bits, child, cookie, attr])
+    return out
+
+
+def _fallocate(volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
+    ino, mode = _int(args, "ino"), _int(args, "mode")
+    offset, length = _int(args, "offset"), _int(args, "length")
+    if length == 0 or offset + length > MAX_FILE_SIZE:
+        raise InvalidArgument("invalid fallocate range")
+    size = volume.getattr(ino).size
+    if mode & ~(FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE):
+        raise InvalidArgument("unsupported fallocate mode", mode=mode)
+    if mode & FALLOC_FL_PUNCH_HOLE:
+        if not mode & FALLOC_FL_KEEP_SIZE:
+            raise InvalidArgument("punching a hole needs FALLOC_FL_KEEP_SIZE")
+        volume.punch_hole(ino, offset, length, time_ns=now)
+        return {}
+    if mode & FALLOC_FL_ZERO_RANGE:
+        volume.punch_hole(ino, offset, length, time_ns=now)
+    if not mode & FALLOC_FL_KEEP_SIZE and offset + length > size:
+        volume.truncate(ino, offset + length, time_ns=now)  # RAM needs no preallocation
+    return {}
