@@ -64,6 +64,8 @@ __all__ = [
     "read",
     "write",
     "ls",
+    "mount",
+    "unmount",
     "resolve_volume",
     "parse_quota",
     "format_bytes",
@@ -84,7 +86,7 @@ def register(group: click.Group, fail: Fail) -> None:
     """Attach this module's commands to `group`; `fail` reports a SlatesError and exits."""
     global _fail_hook
     _fail_hook = fail
-    for command in (status, volume, snapshot, clone, read, write, ls):
+    for command in (status, volume, snapshot, clone, read, write, ls, mount, unmount):
         group.add_command(command)
 
 
@@ -274,13 +276,14 @@ def status(runtime_dir: str | None, as_json: bool) -> None:
         console.print("Mounts: none")
         return
     mounts = Table(title="Mounts", title_justify="left")
-    for column in ("directory", "volume", "bridge pid"):
+    for column in ("directory", "volume", "bridge pid", "health"):
         mounts.add_column(column, overflow="fold")
     for mount in report["mounts"]:
         mounts.add_row(
             Text(str(mount.get("directory", "?"))),
             Text(str(mount.get("volume", "?"))),
-            str(mount.get("bridge_pid", "?")),
+            str(mount.get("pid", "?")),
+            str(mount.get("health", "?")),
         )
     console.print(mounts)
 
@@ -503,3 +506,38 @@ def ls(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) -> No
     if not entries:
         table.caption = "empty"
     Console().print(table)
+
+
+# -- mounts ------------------------------------------------------------------
+
+
+@click.command()
+@click.argument("volume_ref", metavar="VOLUME")
+@click.argument("directory", type=click.Path(file_okay=False))
+@runtime_dir_option
+@json_option
+def mount(volume_ref: str, directory: str, runtime_dir: str | None, as_json: bool) -> None:
+    """Serve VOLUME at DIRECTORY (empty, yours); returns once it serves."""
+    with _client(runtime_dir) as client:
+        vid = resolve_volume(client, volume_ref)
+        result = client.mount(vid, directory)
+    if as_json:
+        _echo_json(result)
+    else:
+        click.echo(
+            f"{result['volume']} mounted at {result['directory']} (bridge pid {result['pid']})"
+        )
+
+
+@click.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@runtime_dir_option
+@json_option
+def unmount(directory: str, runtime_dir: str | None, as_json: bool) -> None:
+    """Flush and detach the mount at DIRECTORY."""
+    with _client(runtime_dir) as client:
+        result = client.unmount(directory)
+    if as_json:
+        _echo_json(result)
+    else:
+        click.echo(f"unmounted {result['directory']}")

@@ -20,6 +20,8 @@ import math
 import os
 import signal
 import socket
+import stat
+import struct
 import subprocess
 import sys
 import time
@@ -27,9 +29,18 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from slates.errors import InvalidArgument, SlatesError
+from slates.errors import (
+    AccessDenied,
+    AlreadyExists,
+    InvalidArgument,
+    NotADirectory,
+    NotFound,
+    SlatesError,
+    error_from_wire,
+)
 from slates.node.journal import create_segment
-from slates.node.runtime import AnchorState, Runtime, ShardInfo
+from slates.node.protocol import FrameReader, frame, pack, unpack
+from slates.node.runtime import AnchorState, MountInfo, Runtime, ShardInfo
 
 __all__ = [
     "Anchor",
@@ -43,6 +54,7 @@ __all__ = [
 
 MAX_RESTARTS = 20
 RESTART_WINDOW = 60.0
+_UCRED = struct.Struct("3i")
 JOURNAL_SIZE = 4 << 30  # virtual sizes: memfds are sparse
 CHECKPOINT_SIZE = 8 << 30
 
@@ -81,6 +93,13 @@ def parse_size(text: str) -> int:
 
 
 @dataclass
+class _Mount:
+    directory: str
+    volume: str
+    process: subprocess.Popen[bytes]
+
+
+@dataclass
 class _ShardSlot:
     index: int
     fds: tuple[int, int, int, int]  # journal, checkpoint, arena, listening socket
@@ -99,6 +118,8 @@ class Anchor:
         self.stopping = False
         self.shard_count = shards
         self.on_ready: Callable[[], object] | None = None
+        self.mounts: dict[str, _Mount] = {}  # by directory
+        self.control: socket.socket | None = None
 
     def _listen(self, index: int) -> socket.socket:
         path = self.runtime.shard_socket(index)
@@ -134,6 +155,13 @@ class Anchor:
             for fd in fds:
                 os.set_inheritable(fd, True)
             self.slots.append(_ShardSlot(index, fds))
+        path = self.runtime.anchor_socket
+        path.unlink(missing_ok=True)
+        self.control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.control.bind(str(path))
+        os.chmod(path, 0o600)
+        self.control.listen(16)
+        self.control.settimeout(0.05)
 
     def _start(self, slot: _ShardSlot) -> None:
         journal, checkpoint, arena, listen = slot.fds
@@ -158,7 +186,10 @@ class Anchor:
             )
             for s in self.slots
         )
-        self.runtime.write_state(AnchorState(os.getpid(), shards, self.capacity))
+        mounts = tuple(
+            MountInfo(m.directory, m.volume, m.process.pid, "serving") for m in self.mounts.values()
+        )
+        self.runtime.write_state(AnchorState(os.getpid(), shards, self.capacity, mounts))
 
     def run(self) -> int:
         """Start every shard and supervise until SIGTERM/SIGINT; returns an exit code."""
@@ -188,14 +219,144 @@ class Anchor:
                 slot.restarts += 1
                 self._start(slot)
                 self._publish()
-            time.sleep(0.05)
+            self._reap_bridges()
+            self._serve_control()
         self._shutdown()
         return code
+
+    # -- mounts ---------------------------------------------------------------
+
+    def _serve_control(self) -> None:
+        """Answer at most one control request (waits up to 50 ms for one)."""
+        assert self.control is not None
+        try:
+            conn, _address = self.control.accept()
+        except (TimeoutError, InterruptedError):
+            return
+        with conn:
+            conn.settimeout(60)
+            try:
+                creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+                _pid, uid, _gid = _UCRED.unpack(creds)
+                reader = FrameReader()
+                while (payload := reader.next_frame()) is None:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    reader.feed(data)
+                request = unpack(payload)
+                try:
+                    result = self._control(request, uid)
+                    reply = {"ok": True, "result": result}
+                except SlatesError as exc:
+                    reply = {"ok": False, "error": exc.to_wire()}
+                conn.sendall(frame(pack(reply)))
+            except (OSError, SlatesError) as exc:
+                _log(f"control connection failed: {exc}")
+
+    def _control(self, request: dict[str, object], uid: int) -> object:
+        match request.get("op"):
+            case "mount":
+                volume, directory = request.get("volume"), request.get("directory")
+                if not isinstance(volume, str) or not isinstance(directory, str):
+                    raise InvalidArgument("mount needs a volume and a directory")
+                return self._mount(volume, directory, uid)
+            case "unmount":
+                directory = request.get("directory")
+                if not isinstance(directory, str):
+                    raise InvalidArgument("unmount needs a directory")
+                return self._unmount(os.path.realpath(directory))
+            case _:
+                raise InvalidArgument("unknown control operation")
+
+    def _mount(self, volume: str, directory: str, uid: int) -> dict[str, object]:
+        path = os.path.realpath(directory)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise NotFound("the mount directory does not exist", directory=path) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectory("the mount point is not a directory", directory=path)
+        if st.st_uid != uid:
+            raise AccessDenied("the mount directory belongs to another user", directory=path)
+        if path in self.mounts or os.path.ismount(path):
+            raise AlreadyExists("something is already mounted there", directory=path)
+        if os.listdir(path):
+            raise InvalidArgument("the mount directory is not empty", directory=path)
+        ready_read, ready_write = os.pipe()
+        command = [
+            sys.executable, "-m", "slates.fuse.bridge",
+            "--runtime-dir", str(self.runtime.path),
+            "--volume", volume,
+            "--mountpoint", path,
+            "--ready-fd", str(ready_write),
+        ]  # fmt: skip
+        log_path = (
+            self.runtime.path / f"bridge-{os.getpid()}-{len(self.mounts)}-{time.time_ns()}.log"
+        )
+        with open(log_path, "wb") as log:  # the bridge's diagnostics; read back on failure
+            process = subprocess.Popen(command, pass_fds=(ready_write,), stderr=log)
+        os.close(ready_write)
+        with os.fdopen(ready_read, "rb") as ready:
+            started = ready.read(1) == b"1"  # EOF (no "1") when the bridge fails
+        if not started:
+            process.wait(timeout=30)
+            message = log_path.read_text(errors="replace")
+            log_path.unlink(missing_ok=True)
+            self._clean_mountpoint(path)
+            raise _bridge_error(message)
+        self.mounts[path] = _Mount(path, volume, process)
+        self._publish()
+        _log(f"mounted {volume} at {path} (bridge pid {process.pid})")
+        return {"directory": path, "volume": volume, "pid": process.pid}
+
+    def _unmount(self, path: str) -> dict[str, object]:
+        mount = self.mounts.pop(path, None)
+        if mount is None:
+            raise NotFound("no Slates mount there", directory=path)
+        mount.process.terminate()  # the bridge unmounts cleanly on SIGTERM
+        try:
+            mount.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            mount.process.kill()
+            mount.process.wait()
+        self._clean_mountpoint(path)
+        self._publish()
+        _log(f"unmounted {path}")
+        return {"directory": path, "volume": mount.volume}
+
+    def _reap_bridges(self) -> None:
+        for path, mount in list(self.mounts.items()):
+            if mount.process.poll() is None:
+                continue
+            _log(
+                f"bridge for {path} (pid {mount.process.pid}) exited with "
+                f"{mount.process.returncode}; removing its mount"
+            )
+            del self.mounts[path]
+            self._clean_mountpoint(path)
+            self._publish()
+
+    @staticmethod
+    def _clean_mountpoint(path: str) -> None:
+        """Detach a mount whose bridge is gone, so no stale mount is left behind."""
+        if os.path.ismount(path):
+            subprocess.run(
+                ["fusermount3", "-u", "-z", path],
+                check=False,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.stopping = True
 
     def _shutdown(self) -> None:
+        for path in list(self.mounts):
+            self._unmount(path)
+        if self.control is not None:
+            self.control.close()
+            self.runtime.anchor_socket.unlink(missing_ok=True)
         for slot in self.slots:
             if slot.process is not None and slot.process.poll() is None:
                 slot.process.terminate()
@@ -211,6 +372,15 @@ class Anchor:
                 os.close(fd)
         self.runtime.state_file.unlink(missing_ok=True)
         _log("anchor stopped")
+
+
+def _bridge_error(message: str) -> SlatesError:
+    """The bridge's own error line ("error: Code: message") as that error."""
+    for line in reversed(message.strip().splitlines()):
+        if line.startswith("error: ") and ": " in line[7:]:
+            code, text = line[7:].split(": ", 1)
+            return error_from_wire({"code": code, "message": text})
+    return SlatesError("the mount bridge failed to start", output=message[-2000:])
 
 
 def _log(message: str) -> None:

@@ -20,7 +20,14 @@ from typing import Any
 
 from slates.errors import AccessDenied, InvalidArgument, NotFound
 
-__all__ = ["Runtime", "default_runtime_dir", "AnchorState", "ShardInfo", "pid_alive"]
+__all__ = [
+    "Runtime",
+    "default_runtime_dir",
+    "AnchorState",
+    "ShardInfo",
+    "MountInfo",
+    "pid_alive",
+]
 
 
 def default_runtime_dir() -> Path:
@@ -44,10 +51,19 @@ class ShardInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class MountInfo:
+    directory: str
+    volume: str
+    pid: int  # the bridge process
+    health: str  # "serving"
+
+
+@dataclass(frozen=True, slots=True)
 class AnchorState:
     pid: int
     shards: tuple[ShardInfo, ...]
     capacity: int
+    mounts: tuple[MountInfo, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -56,6 +72,10 @@ class AnchorState:
             "shards": [
                 {"index": s.index, "pid": s.pid, "socket": s.socket, "restarts": s.restarts}
                 for s in self.shards
+            ],
+            "mounts": [
+                {"directory": m.directory, "volume": m.volume, "pid": m.pid, "health": m.health}
+                for m in self.mounts
             ],
         }
 
@@ -66,7 +86,11 @@ class AnchorState:
                 ShardInfo(int(s["index"]), int(s["pid"]), str(s["socket"]), int(s["restarts"]))
                 for s in data["shards"]
             )
-            return cls(int(data["pid"]), shards, int(data["capacity"]))
+            mounts = tuple(
+                MountInfo(str(m["directory"]), str(m["volume"]), int(m["pid"]), str(m["health"]))
+                for m in data.get("mounts", [])
+            )
+            return cls(int(data["pid"]), shards, int(data["capacity"]), mounts)
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument("malformed anchor state file", reason=str(exc)) from None
 
@@ -78,6 +102,10 @@ class Runtime:
     @property
     def state_file(self) -> Path:
         return self.path / "anchor.json"
+
+    @property
+    def anchor_socket(self) -> Path:
+        return self.path / "anchor.sock"
 
     def shard_socket(self, index: int) -> Path:
         return self.path / f"shard-{index}.sock"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import ctypes
 import os
 import socket
 import threading
@@ -36,6 +37,7 @@ from slates.errors import (
     InvalidArgument,
     NotFound,
     SlatesError,
+    SnapshotBarrierFailed,
     VerificationFailed,
     error_from_wire,
 )
@@ -47,6 +49,8 @@ from slates.node.service import shard_of
 __all__ = ["AsyncClient", "Client", "RECONNECT_SECONDS"]
 
 RECONNECT_SECONDS = 30.0
+BARRIER_SECONDS = 60.0
+_LIBC = ctypes.CDLL(None, use_errno=True)
 _T = TypeVar("_T")
 
 
@@ -174,6 +178,16 @@ class _ShardConnection:
             return reply.result
 
 
+def _syncfs(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if _LIBC.syncfs(fd) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, os.strerror(error), directory)
+    finally:
+        os.close(fd)
+
+
 async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -249,7 +263,76 @@ class AsyncClient:
             shard = await self.call(info.index, "status")
             shard.update(pid=info.pid, restarts=info.restarts)
             shards.append(shard)
-        return {"anchor_pid": state.pid, "capacity": state.capacity, "shards": shards, "mounts": []}
+        mounts = [
+            {"directory": m.directory, "volume": m.volume, "pid": m.pid, "health": m.health}
+            for m in state.mounts
+        ]
+        return {
+            "anchor_pid": state.pid,
+            "capacity": state.capacity,
+            "shards": shards,
+            "mounts": mounts,
+        }
+
+    async def _anchor(self, request: dict[str, Any]) -> Any:
+        """One request to the anchor's control socket (mounts)."""
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with sock:
+            try:
+                await sock.connect(str(self.runtime.anchor_socket))
+            except OSError:
+                raise SlatesError(
+                    "the anchor does not answer; is `slates anchor` running?",
+                    socket=str(self.runtime.anchor_socket),
+                ) from None
+            await _send_all(sock, frame(pack(request)))
+            reader = FrameReader()
+            while (payload := reader.next_frame()) is None:
+                data = await sock.recv(1 << 16)
+                if not data:
+                    raise SlatesError("the anchor closed the connection")
+                reader.feed(data)
+        reply = unpack(payload)
+        if reply.get("ok") is not True:
+            error = reply.get("error")
+            raise error_from_wire(error if isinstance(error, dict) else {})
+        return reply.get("result")
+
+    async def mount(self, volume: str, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Serve a volume at an empty directory you own (returns once it serves)."""
+        shard_of(volume)
+        result: dict[str, Any] = await self._anchor(
+            {"op": "mount", "volume": volume, "directory": str(Path(directory).resolve())}
+        )
+        return result
+
+    async def unmount(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Flush and detach a mount."""
+        path = str(Path(directory).resolve())
+        with contextlib.suppress(OSError):
+            await trio.to_thread.run_sync(_syncfs, path)
+        result: dict[str, Any] = await self._anchor({"op": "unmount", "directory": path})
+        return result
+
+    async def _barrier(self, volume: str) -> None:
+        """The attachment barrier: every mount of the volume writes back its kernel cache.
+
+        syncfs returns once the kernel has sent every dirty page and the bridge
+        has had each write acknowledged by the shard, so those bytes belong to
+        the snapshot; writes after it belong to the next generation.
+        """
+        for mount in self.runtime.read_state().mounts:
+            if mount.volume != volume:
+                continue
+            try:
+                with trio.fail_after(BARRIER_SECONDS):
+                    await trio.to_thread.run_sync(_syncfs, mount.directory, abandon_on_cancel=True)
+            except (OSError, trio.TooSlowError) as exc:
+                raise SnapshotBarrierFailed(
+                    "a mount could not write back its cached changes",
+                    directory=mount.directory,
+                    reason=str(exc) or "timed out",
+                ) from None
 
     # -- volumes ----------------------------------------------------------------
 
@@ -301,6 +384,7 @@ class AsyncClient:
         await self._on(volume, "volume.delete", volume=volume)
 
     async def snapshot(self, volume: str) -> str:
+        await self._barrier(volume)
         result = await self._on(volume, "snapshot", volume=volume)
         return str(result["id"])
 
