@@ -1,4 +1,10 @@
-"""cffi (out-of-line API mode) build of slates._native: the shared-memory rings.
+"""cffi (out-of-line API mode) build of slates._native: the rings and the mount bridge.
+
+One extension holds both the shared-memory rings (ring.c) and the FUSE
+mount bridge (bridge.c, libfuse3 low-level API + msgpack-c), so the bridge
+and the Python ring code share one copy of the ring implementation.  Build
+needs the libfuse3 and msgpack-c headers (Debian: libfuse3-dev,
+libmsgpack-dev) and pkg-config.
 
 setup.py finds `ffibuilder` through cffi_modules; running this file directly
 builds the extension in place (slates/_native*.so) for a source checkout:
@@ -9,6 +15,8 @@ builds the extension in place (slates/_native*.so) for a source checkout:
 from __future__ import annotations
 
 import os
+import shlex
+import subprocess
 from pathlib import Path
 
 from cffi import FFI
@@ -21,6 +29,28 @@ def _relative(path: Path) -> str:
     # setuptools rejects absolute source paths, and setup.py runs from the
     # repository root; the script below builds from the root too.
     return os.path.relpath(path, _ROOT)
+
+
+def _pkg_config(package: str, flag: str) -> list[str]:
+    try:
+        out = subprocess.run(
+            ["pkg-config", flag, package], check=True, capture_output=True, text=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return shlex.split(out)
+
+
+def _include_dirs(package: str, fallback: str | None = None) -> list[str]:
+    dirs = [f[2:] for f in _pkg_config(package, "--cflags") if f.startswith("-I")]
+    if not dirs and fallback is not None and os.path.isdir(fallback):
+        dirs = [fallback]
+    return dirs
+
+
+def _libraries(package: str, fallback: str) -> list[str]:
+    names = [f[2:] for f in _pkg_config(package, "--libs-only-l") if f.startswith("-l")]
+    return names or [fallback]
 
 
 ffibuilder = FFI()
@@ -46,15 +76,52 @@ ffibuilder.cdef(
     int ring_is_parked(const ring_t *r);
     int ring_notify(ring_t *r, int eventfd);
     int64_t ring_drain_eventfd(int eventfd);
+
+    #define BRIDGE_OPCODES ...
+    #define BRIDGE_COUNTERS ...
+    #define BRIDGE_COUNTER_BYTES ...
+    #define BRIDGE_STAT_ROUND_TRIPS ...
+    #define BRIDGE_STAT_RECONNECTS ...
+    #define BRIDGE_STAT_FAILED ...
+    #define BRIDGE_RECONNECT_SECONDS ...
+    #define BRIDGE_MAX_IO ...
+
+    int bridge_configure(const char *volume, uint64_t spin_ns);
+    int bridge_attach(int req_memfd, int req_eventfd, int rep_memfd, int rep_eventfd,
+                      int sock_fd);
+    void bridge_detach(void);
+    int bridge_request(const char *op, const uint8_t *args, uint32_t args_len, uint8_t *out,
+                       uint32_t cap);
+    int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback);
+    int bridge_run(int ready_fd);
+    void bridge_exit(void);
+    void bridge_unmount(void);
+    uint64_t bridge_request_count(int opcode);
+    uint64_t bridge_stat(int slot);
+    int bridge_set_counter_memory(void *mem, uint64_t len);
+    void bridge_reset_counters(void);
+    int bridge_errno_for(const char *code);
+    int bridge_test_encode(int which, uint8_t *out, uint32_t cap, char *op_out,
+                           uint32_t op_cap);
+    int bridge_test_decode_attr(const uint8_t *msg, uint32_t len, int64_t *out);
+    int bridge_test_absent_set(const uint64_t *ops, uint32_t n, uint64_t probe);
+
+    extern "Python+C" int bridge_reconnect_cb(void);
     """
 )
 
 ffibuilder.set_source(
     "slates._native",
-    '#include "ring.h"',
-    sources=[_relative(_HERE / "ring.c")],
-    include_dirs=[_relative(_HERE)],
-    depends=[_relative(_HERE / "ring.h")],
+    '#include "ring.h"\n#include "bridge.h"',
+    sources=[_relative(_HERE / "ring.c"), _relative(_HERE / "bridge.c")],
+    include_dirs=[
+        _relative(_HERE),
+        *_include_dirs("fuse3", "/usr/include/fuse3"),
+        *_include_dirs("msgpack"),  # Debian's headers are in /usr/include
+    ],
+    # msgpack-c names its C library msgpackc up to 4.x (Debian 12), msgpack-c from 6.x.
+    libraries=[*_libraries("fuse3", "fuse3"), *_libraries("msgpack", "msgpackc")],
+    depends=[_relative(_HERE / name) for name in ("ring.h", "bridge.h")],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror"],
 )
 

@@ -50,6 +50,7 @@ __all__ = [
     "CHECKPOINT_SIZE",
     "parse_size",
     "run_anchor",
+    "is_mounted",
 ]
 
 MAX_RESTARTS = 20
@@ -279,7 +280,7 @@ class Anchor:
             raise NotADirectory("the mount point is not a directory", directory=path)
         if st.st_uid != uid:
             raise AccessDenied("the mount directory belongs to another user", directory=path)
-        if path in self.mounts or os.path.ismount(path):
+        if path in self.mounts or is_mounted(path):
             raise AlreadyExists("something is already mounted there", directory=path)
         if os.listdir(path):
             raise InvalidArgument("the mount directory is not empty", directory=path)
@@ -340,7 +341,7 @@ class Anchor:
     @staticmethod
     def _clean_mountpoint(path: str) -> None:
         """Detach a mount whose bridge is gone, so no stale mount is left behind."""
-        if os.path.ismount(path):
+        if is_mounted(path):
             subprocess.run(
                 ["fusermount3", "-u", "-z", path],
                 check=False,
@@ -372,6 +373,23 @@ class Anchor:
                 os.close(fd)
         self.runtime.state_file.unlink(missing_ok=True)
         _log("anchor stopped")
+
+
+def is_mounted(path: str) -> bool:
+    """Whether something is mounted at `path` (a dead FUSE mount fails stat, so ask the kernel)."""
+    with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) > 1 and _unescape(fields[1]) == path:
+                return True
+    return False
+
+
+def _unescape(field: str) -> str:
+    # /proc/self/mounts writes space, tab, newline and backslash as octal escapes.
+    for code in ("\\040", "\\011", "\\012", "\\134"):
+        field = field.replace(code, chr(int(code[1:], 8)))
+    return field
 
 
 def _bridge_error(message: str) -> SlatesError:

@@ -39,7 +39,7 @@ SEEK_HOLE = 4
 FALLOC_FL_KEEP_SIZE = 1
 FALLOC_FL_PUNCH_HOLE = 2
 FALLOC_FL_ZERO_RANGE = 16
-MAX_READ = 4 << 20
+MAX_READ = 1 << 20  # the bridge's max_read; a reply then fits one ring message
 
 
 def attr_map(attr: Attr) -> dict[str, int]:

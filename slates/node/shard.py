@@ -61,6 +61,10 @@ __all__ = [
 # Journal bytes that trigger a checkpoint (bounds replay); tests set it small.
 CHECKPOINT_EVERY_BYTES = int(os.environ.get("SLATES_CHECKPOINT_BYTES", 64 << 20))
 MAX_CONNECTIONS = 256
+# Each ring carries messages up to half its capacity: 4 MiB rings hold a
+# mount's 1 MiB reads and writes with their envelope, so only SDK calls
+# larger than 2 MiB travel on the socket.
+RING_CAPACITY = 4 << 20
 _UCRED = struct.Struct("3i")
 
 
@@ -186,7 +190,7 @@ class Shard:
             while (message := await receive_frame(conn, reader)) is not None:
                 await send_all(conn, frame(self.handle(hello, message)))
             return
-        with RingPair.create() as pair:
+        with RingPair.create(RING_CAPACITY) as pair:
             fds = array.array("i", pair.fds)
             await conn.sendmsg([answer], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
             async with trio.open_nursery() as nursery:

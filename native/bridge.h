@@ -1,0 +1,144 @@
+/*
+ * The mount bridge's per-request path: a libfuse3 low-level session whose
+ * callbacks forward each kernel request to the shard that owns the volume,
+ * over a shared-memory ring pair (ring.h), as one msgpack request of the
+ * form in slates/fuse/PROTOCOL.md, and turn the reply into a fuse_reply_*.
+ *
+ * One bridge per process: the state is process-global and the loop is
+ * single-threaded (one request to the shard in flight at a time, so the
+ * acknowledgement is always "every sequence number below this one").
+ *
+ * Life cycle, driven from Python (slates/fuse/bridge.py):
+ *   bridge_configure -> bridge_attach (after the hello) -> bridge_mount ->
+ *   bridge_run (returns on SIGTERM/SIGINT/SIGHUP or an external unmount) ->
+ *   bridge_unmount.
+ * When the shard's socket hangs up, C detaches the rings and calls the
+ * Python callback bridge_reconnect_cb(), which says hello again with the
+ * same client id and calls bridge_attach with the new fds; C then resends
+ * the same request bytes (same seq).  Bounded by BRIDGE_RECONNECT_SECONDS.
+ *
+ * Functions return 0 or a non-negative count on success and -errno on
+ * failure unless stated otherwise.
+ */
+#ifndef SLATES_BRIDGE_H
+#define SLATES_BRIDGE_H
+
+#include <stdint.h>
+
+#define BRIDGE_RECONNECT_SECONDS 60
+#define BRIDGE_TIMEOUT_SECONDS 86400.0 /* entry and attribute cache lifetime */
+#define BRIDGE_MAX_IO (1u << 20)       /* max_write / max_read */
+
+/* Counter slots: 0..BRIDGE_OPCODES-1 count kernel requests by FUSE opcode;
+ * the slots after them count bridge-wide events. */
+#define BRIDGE_OPCODES 64
+#define BRIDGE_STAT_ROUND_TRIPS 64 /* requests answered by the shard */
+#define BRIDGE_STAT_RECONNECTS 65  /* successful re-attachments after a hangup */
+#define BRIDGE_STAT_FAILED 66      /* requests given up with EIO (shard unreachable) */
+#define BRIDGE_COUNTERS 72
+#define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
+
+/* Volume id and the ring spin budget (ns).  Call once, first. */
+int bridge_configure(const char *volume, uint64_t spin_ns);
+
+/* Take ownership of a ring pair's fds (request memfd, request eventfd, reply
+ * memfd, reply eventfd) and the shard's socket: validate the memfd seals
+ * and headers, map both rings.  On failure every fd given is closed. */
+int bridge_attach(int req_memfd, int req_eventfd, int rep_memfd, int rep_eventfd, int sock_fd);
+
+/* Unmap the rings and close their fds and the socket (idempotent). */
+void bridge_detach(void);
+
+/* One request with caller-encoded args (a msgpack map that includes
+ * "volume"), through the same send/wait/reconnect path the callbacks use.
+ * Copies the whole reply message into `out`; returns its length. */
+int bridge_request(const char *op, const uint8_t *args, uint32_t args_len, uint8_t *out,
+                   uint32_t cap);
+
+/* Create the session and mount it on `mountpoint`. */
+int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback);
+
+/* Serve until told to stop.  Writes "1" to ready_fd (then closes it) once
+ * the kernel's INIT has been answered; -1 for none.  Installs handlers for
+ * SIGTERM, SIGINT and SIGHUP that end the loop, and restores the previous
+ * ones before returning. */
+int bridge_run(int ready_fd);
+
+/* Make bridge_run return (safe from a signal handler). */
+void bridge_exit(void);
+
+/* Unmount and destroy the session (idempotent). */
+void bridge_unmount(void);
+
+/* Counters: kernel requests by opcode, and the BRIDGE_STAT_* slots. */
+uint64_t bridge_request_count(int opcode);
+uint64_t bridge_stat(int slot);
+/* Keep the counters in caller memory (e.g. a shared file mapping, so other
+ * processes can read them); at least BRIDGE_COUNTER_BYTES, 8-aligned.  The
+ * current values are copied over. */
+int bridge_set_counter_memory(void *mem, uint64_t len);
+void bridge_reset_counters(void);
+
+/* errno for a slates.errors code (EIO for unknown codes). */
+int bridge_errno_for(const char *code);
+
+/* Tests: encode the request each callback would send for fixed sample
+ * arguments (`which` indexes the ops, see bridge.c); returns the length,
+ * -ENOENT past the last one.  The op name is copied to op_out. */
+int bridge_test_encode(int which, uint8_t *out, uint32_t cap, char *op_out, uint32_t op_cap);
+/* Tests: decode a reply; 0 and the ATTR's 11 fields in protocol order (ino,
+ * mode, nlink, uid, gid, size, blocks, atime_ns, mtime_ns, ctime_ns, rdev)
+ * for an ok reply whose result is an ATTR, or the mapped errno for an error
+ * reply, or -EBADMSG. */
+int bridge_test_decode_attr(const uint8_t *msg, uint32_t len, int64_t *out);
+/* Tests: apply adds (key) and removes (~key) to the absent-xattr set, then
+ * whether it holds `probe`. */
+int bridge_test_absent_set(const uint64_t *ops, uint32_t n, uint64_t probe);
+
+/* Implemented in Python (cffi extern "Python+C"): say hello again and call
+ * bridge_attach.  Returns 0 or -errno. */
+int bridge_reconnect_cb(void);
+
+/* FUSE opcodes (the kernel's numbering), for counters. */
+enum {
+    BRIDGE_OP_LOOKUP = 1,
+    BRIDGE_OP_FORGET = 2,
+    BRIDGE_OP_GETATTR = 3,
+    BRIDGE_OP_SETATTR = 4,
+    BRIDGE_OP_READLINK = 5,
+    BRIDGE_OP_SYMLINK = 6,
+    BRIDGE_OP_MKNOD = 8,
+    BRIDGE_OP_MKDIR = 9,
+    BRIDGE_OP_UNLINK = 10,
+    BRIDGE_OP_RMDIR = 11,
+    BRIDGE_OP_RENAME = 12,
+    BRIDGE_OP_LINK = 13,
+    BRIDGE_OP_OPEN = 14,
+    BRIDGE_OP_READ = 15,
+    BRIDGE_OP_WRITE = 16,
+    BRIDGE_OP_STATFS = 17,
+    BRIDGE_OP_RELEASE = 18,
+    BRIDGE_OP_FSYNC = 20,
+    BRIDGE_OP_SETXATTR = 21,
+    BRIDGE_OP_GETXATTR = 22,
+    BRIDGE_OP_LISTXATTR = 23,
+    BRIDGE_OP_REMOVEXATTR = 24,
+    BRIDGE_OP_FLUSH = 25,
+    BRIDGE_OP_INIT = 26,
+    BRIDGE_OP_OPENDIR = 27,
+    BRIDGE_OP_READDIR = 28,
+    BRIDGE_OP_RELEASEDIR = 29,
+    BRIDGE_OP_FSYNCDIR = 30,
+    BRIDGE_OP_ACCESS = 34,
+    BRIDGE_OP_CREATE = 35,
+    BRIDGE_OP_INTERRUPT = 36,
+    BRIDGE_OP_DESTROY = 38,
+    BRIDGE_OP_BATCH_FORGET = 42,
+    BRIDGE_OP_FALLOCATE = 43,
+    BRIDGE_OP_READDIRPLUS = 44,
+    BRIDGE_OP_RENAME2 = 45,
+    BRIDGE_OP_LSEEK = 46,
+    BRIDGE_OP_COPY_FILE_RANGE = 47,
+};
+
+#endif

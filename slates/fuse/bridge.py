@@ -1,0 +1,473 @@
+"""The mount bridge process: one volume served at one directory through FUSE.
+
+Theory of operation
+-------------------
+`python -m slates.fuse.bridge --runtime-dir R --volume VID --mountpoint DIR`
+is one bridge process per mount.  Its per-request path is C
+(native/bridge.c, in the slates._native extension): a libfuse3 low-level
+session on a single thread, whose op callbacks encode each kernel request
+as one msgpack `fs.*` request (slates/fuse/PROTOCOL.md), push it onto the
+shared-memory request ring, spin and then park on the reply ring's eventfd
+(polled together with the shard's socket, for liveness), and turn the reply
+into a fuse_reply_*.  All semantics live in the shard that owns the volume;
+Python only sets things up:
+
+1. read the anchor's state file (slates.node.runtime.Runtime) and find the
+   owning shard (slates.node.service.shard_of);
+2. say hello on that shard's unix socket as client `bridge-<volume>-<pid>`
+   with rings requested, receive the ring pair's four fds by SCM_RIGHTS and
+   hand them and the socket to C (`bridge_attach`, which validates the
+   memfd seals and ring headers and takes ownership);
+3. probe the volume (fs.getattr of the root) so a wrong id fails here, with
+   a clear error, rather than as EIO inside the mount;
+4. mount (default_permissions, fsname=slates, subtype=slates; allow_other
+   only on request) and run the C loop; C writes b"1" to --ready-fd once
+   the kernel's INIT is answered, i.e. once the mount serves;
+5. on SIGTERM, SIGINT or SIGHUP the loop ends (C's handlers), and the
+   bridge unmounts and exits 0.  An external unmount also ends it cleanly.
+
+Kernel caching is deliberate (DESIGN.md section 2): OPEN, OPENDIR and FLUSH
+are answered ENOSYS (no_open, no_opendir: the kernel keeps page and
+directory caches), missing names get negative entries, entry and attribute
+timeouts are a day, 1 MiB requests, and readdirplus is always used (every
+entry arrives with its attributes, so `find` needs no LOOKUPs).  Writeback
+caching is on unless --no-writeback-cache; measured trade-off on this
+kernel: with it, 1,000 4 KiB write(2)s cost 4 WRITE requests instead of
+1,000, but every close() makes the kernel distrust its cached i_blocks, so
+re-reading a file costs one GETATTR; without it, a pass over an unchanged
+tree sends nothing once the atimes the first READs invalidated have been
+re-fetched.  The xattr names the kernel and tools probe constantly
+(security.capability on every write(2), ACLs and SELinux labels for
+`ls -l`) are answered from a per-inode memory of the shard's "no such
+attribute" (native/bridge.c), so they cost no round trip after the first.
+A counter per FUSE opcode (plus round trips, reconnects and failures)
+lives in C; with --counters FILE it is a shared file mapping that
+`read_counters` reads from any process.
+
+On unmount the bridge sends fs.destroy, so the shard drops every lookup
+reference the kernel held.
+
+Reconnection: when the shard's socket hangs up with a request outstanding
+(or before one is sent), C detaches the rings and calls back into Python
+(`bridge_reconnect_cb`, a cffi extern "Python+C" function), which says
+hello again with the same client id and attaches the new ring pair; C then
+resends the same bytes, with the same sequence number, so the shard answers
+from its saved result if the request had already run.  A shard restart is
+a pause, not an error; after BRIDGE_RECONNECT_SECONDS without a shard the
+request fails with EIO.
+
+Not here yet: invalidating the kernel's caches when the volume changes by
+another path (needs a shard -> bridge notification channel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import contextlib
+import errno
+import mmap
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+from slates._native import ffi, lib
+from slates.errors import (
+    AccessDenied,
+    InvalidArgument,
+    SlatesError,
+    VerificationFailed,
+    error_from_wire,
+)
+from slates.node.protocol import FrameReader, frame, pack, parse_reply, unpack
+from slates.node.ring import default_spin_ns
+from slates.node.runtime import Runtime
+from slates.node.service import shard_of
+
+__all__ = [
+    "COUNTER_SLOTS",
+    "HELLO_TIMEOUT",
+    "OPCODES",
+    "RECONNECT_SECONDS",
+    "REPLY_LIMIT",
+    "STATS",
+    "Bridge",
+    "check_mountpoint",
+    "hello",
+    "main",
+    "read_counters",
+    "run_bridge",
+]
+
+RECONNECT_SECONDS: int = lib.BRIDGE_RECONNECT_SECONDS
+COUNTER_SLOTS: int = lib.BRIDGE_COUNTERS
+HELLO_TIMEOUT = 2.0  # per attempt; C retries until RECONNECT_SECONDS
+REPLY_LIMIT = 16 << 20  # `Bridge.request` replies (a ring message is smaller anyway)
+_uncleared = ffi.new_allocator(should_clear_after_alloc=False)
+
+# The kernel's FUSE opcode numbers, for reading the counters.
+OPCODES: dict[int, str] = {
+    1: "LOOKUP",
+    2: "FORGET",
+    3: "GETATTR",
+    4: "SETATTR",
+    5: "READLINK",
+    6: "SYMLINK",
+    8: "MKNOD",
+    9: "MKDIR",
+    10: "UNLINK",
+    11: "RMDIR",
+    12: "RENAME",
+    13: "LINK",
+    14: "OPEN",
+    15: "READ",
+    16: "WRITE",
+    17: "STATFS",
+    18: "RELEASE",
+    20: "FSYNC",
+    21: "SETXATTR",
+    22: "GETXATTR",
+    23: "LISTXATTR",
+    24: "REMOVEXATTR",
+    25: "FLUSH",
+    26: "INIT",
+    27: "OPENDIR",
+    28: "READDIR",
+    29: "RELEASEDIR",
+    30: "FSYNCDIR",
+    31: "GETLK",
+    32: "SETLK",
+    33: "SETLKW",
+    34: "ACCESS",
+    35: "CREATE",
+    36: "INTERRUPT",
+    37: "BMAP",
+    38: "DESTROY",
+    39: "IOCTL",
+    40: "POLL",
+    41: "NOTIFY_REPLY",
+    42: "BATCH_FORGET",
+    43: "FALLOCATE",
+    44: "READDIRPLUS",
+    45: "RENAME2",
+    46: "LSEEK",
+    47: "COPY_FILE_RANGE",
+    48: "SETUPMAPPING",
+    49: "REMOVEMAPPING",
+    50: "SYNCFS",
+    51: "TMPFILE",
+    52: "STATX",
+}
+STATS: dict[int, str] = {
+    lib.BRIDGE_STAT_ROUND_TRIPS: "round_trips",
+    lib.BRIDGE_STAT_RECONNECTS: "reconnects",
+    lib.BRIDGE_STAT_FAILED: "failed",
+}
+
+
+def read_counters(path: str | os.PathLike[str]) -> dict[str, int]:
+    """A bridge's counters from its --counters file: opcode names and STATS names.
+
+    Opcodes the kernel never sent are left out; unknown opcodes read as
+    "OP<n>".  The values are a racy but monotonic view of a live bridge.
+    """
+    data = Path(path).read_bytes()
+    if len(data) < COUNTER_SLOTS * 8:
+        raise InvalidArgument("not a bridge counters file", path=str(path))
+    values = array.array("Q", data[: COUNTER_SLOTS * 8])
+    out: dict[str, int] = {}
+    for opcode in range(lib.BRIDGE_OPCODES):
+        if values[opcode]:
+            out[OPCODES.get(opcode, f"OP{opcode}")] = values[opcode]
+    for slot, name in STATS.items():
+        out[name] = values[slot]
+    return out
+
+
+def check_mountpoint(path: str | os.PathLike[str]) -> Path:
+    """The mountpoint, resolved; refuses one that is not an empty directory of ours."""
+    mountpoint = Path(path).resolve()
+    try:
+        st = mountpoint.stat()
+    except FileNotFoundError:
+        raise InvalidArgument("the mountpoint does not exist", path=str(mountpoint)) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument("the mountpoint is not a directory", path=str(mountpoint))
+    euid = os.geteuid()
+    if euid != 0 and st.st_uid != euid:
+        raise AccessDenied("the mountpoint belongs to another user", path=str(mountpoint))
+    if any(mountpoint.iterdir()):
+        raise InvalidArgument("the mountpoint is not empty", path=str(mountpoint))
+    return mountpoint
+
+
+def hello(socket_path: str, client_id: str, timeout: float) -> tuple[socket.socket, list[int]]:
+    """Say hello (rings requested) on a shard's socket: (socket, the ring pair's 4 fds).
+
+    Blocking; the same exchange as the SDK's _ShardConnection._connect.  The
+    caller owns the returned socket and fds.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds: list[int] = []
+    try:
+        sock.settimeout(timeout)
+        sock.connect(socket_path)
+        sock.sendall(frame(pack({"client": client_id, "rings": True})))
+        reader = FrameReader()
+        while (answer := reader.next_frame()) is None:
+            data, ancillary, _flags, _addr = sock.recvmsg(
+                1 << 16, socket.CMSG_SPACE(4 * array.array("i").itemsize)
+            )
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", payload[: len(payload) // 4 * 4]))
+            if not data:
+                raise ConnectionResetError("the shard closed the connection during hello")
+            reader.feed(data)
+        message = unpack(answer)
+        if message.get("ok") is not True:
+            error = message.get("error")
+            raise error_from_wire(error if isinstance(error, dict) else {})
+        if len(fds) != 4:
+            raise VerificationFailed("the shard did not pass a ring pair", fds=len(fds))
+        sock.settimeout(None)
+        sock.setblocking(True)
+        return sock, fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+        raise
+
+
+class Bridge:
+    """The Python half of one bridge process (the C half is process-global)."""
+
+    def __init__(self, runtime: Runtime, volume: str, client_id: str | None = None) -> None:
+        self.runtime = runtime
+        self.volume = volume
+        self.shard = shard_of(volume)
+        self.client_id = client_id or f"bridge-{volume}-{os.getpid()}"
+        self._counters: mmap.mmap | None = None
+        self._counters_buffer: Any = None
+        self.mounted = False
+
+    def configure(self, spin_ns: int | None = None) -> None:
+        spin = default_spin_ns() if spin_ns is None else spin_ns
+        rc = lib.bridge_configure(self.volume.encode(), spin)
+        if rc < 0:
+            raise InvalidArgument("bad volume id for the bridge", volume=self.volume)
+
+    def use_counter_file(self, path: str | os.PathLike[str]) -> None:
+        """Keep the C counters in `path` (created or reset), readable by read_counters."""
+        size = lib.BRIDGE_COUNTER_BYTES
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            self._counters = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._counters_buffer = ffi.from_buffer(self._counters)
+        if lib.bridge_set_counter_memory(self._counters_buffer, size) < 0:
+            raise InvalidArgument("cannot place the counters", path=str(path))
+
+    def _socket_path(self) -> str:
+        state = self.runtime.read_state()
+        for info in state.shards:
+            if info.index == self.shard:
+                return info.socket
+        raise InvalidArgument("the volume names a shard this host does not have", shard=self.shard)
+
+    def connect(self, timeout: float = HELLO_TIMEOUT) -> None:
+        """One hello; hands the ring pair and the socket to C."""
+        sock, fds = hello(self._socket_path(), self.client_id, timeout)
+        sock_fd = sock.detach()
+        rc = lib.bridge_attach(fds[0], fds[1], fds[2], fds[3], sock_fd)  # C owns them now
+        if rc < 0:
+            raise VerificationFailed("cannot attach the shard's ring pair", reason=os.strerror(-rc))
+
+    def connect_with_retry(self, seconds: float = RECONNECT_SECONDS) -> None:
+        deadline = time.monotonic() + seconds
+        delay = 0.01
+        while True:
+            try:
+                self.connect()
+                return
+            except (OSError, SlatesError) as exc:
+                if isinstance(exc, SlatesError) and not isinstance(exc, VerificationFailed):
+                    raise
+                if time.monotonic() > deadline:
+                    raise SlatesError(
+                        "the shard did not answer; is `slates anchor` running?",
+                        volume=self.volume,
+                        reason=str(exc),
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    def request(self, op: str, **args: Any) -> Any:
+        """One request through the C path (the probe, and tests); raises the reply's error."""
+        payload = pack({"volume": self.volume, **args})
+        out = _uncleared("uint8_t[]", REPLY_LIMIT)
+        n = lib.bridge_request(op.encode(), payload, len(payload), out, len(out))
+        if n < 0:
+            raise SlatesError("the shard did not answer", op=op, reason=os.strerror(-n))
+        reply = parse_reply(unpack(bytes(ffi.buffer(out, n))))
+        if reply.error is not None:
+            raise reply.error
+        return reply.result
+
+    def mount(
+        self,
+        mountpoint: str | os.PathLike[str],
+        *,
+        allow_other: bool = False,
+        auto_unmount: bool = False,
+        writeback: bool = True,
+    ) -> None:
+        rc = lib.bridge_mount(
+            str(mountpoint).encode(), int(allow_other), int(auto_unmount), int(writeback)
+        )
+        if rc < 0:
+            raise SlatesError("cannot mount", mountpoint=str(mountpoint), reason=os.strerror(-rc))
+        self.mounted = True
+
+    def serve(self, ready_fd: int = -1) -> None:
+        rc = lib.bridge_run(ready_fd)
+        if rc < 0:
+            raise SlatesError("the FUSE session failed", reason=os.strerror(-rc))
+
+    def close(self) -> None:
+        lib.bridge_unmount()
+        self.mounted = False
+
+    def __enter__(self) -> Bridge:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+_ACTIVE: Bridge | None = None
+
+
+def bridge_reconnect_cb() -> int:
+    """Called from C (extern "Python+C") when the shard hung up: one hello."""
+    bridge = _ACTIVE
+    if bridge is None:
+        return -errno.ENOTCONN
+    try:
+        bridge.connect()
+    except (OSError, SlatesError) as exc:
+        code = exc.errno if isinstance(exc, OSError) and exc.errno else errno.ECONNREFUSED
+        return -code
+    return 0
+
+
+def _reconnect_crashed(
+    exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+) -> int:
+    print(f"slates-bridge: reconnect failed: {exc!r}", file=sys.stderr, flush=True)
+    return -errno.EIO
+
+
+if __name__ != "__main__":
+    # Only the canonical module registers: under `python -m`, this file also
+    # runs as __main__, whose _ACTIVE would be a different variable.
+    ffi.def_extern(name="bridge_reconnect_cb", onerror=_reconnect_crashed)(bridge_reconnect_cb)
+
+
+def run_bridge(
+    runtime_dir: str | os.PathLike[str] | None,
+    volume: str,
+    mountpoint: str | os.PathLike[str],
+    *,
+    ready_fd: int = -1,
+    allow_other: bool = False,
+    auto_unmount: bool = False,
+    writeback: bool = True,
+    counters: str | os.PathLike[str] | None = None,
+) -> None:
+    """Connect, probe, mount, serve until told to stop, unmount."""
+    global _ACTIVE
+    where = check_mountpoint(mountpoint)
+    bridge = Bridge(Runtime(runtime_dir), volume)
+    bridge.configure()
+    if counters is not None:
+        bridge.use_counter_file(counters)
+    _ACTIVE = bridge
+    try:
+        bridge.connect_with_retry()
+        root = bridge.request("fs.getattr", ino=1)
+        if not isinstance(root, dict) or not stat.S_ISDIR(int(root.get("mode", 0))):
+            raise VerificationFailed("the volume's root is not a directory", volume=volume)
+        with bridge:
+            bridge.mount(
+                where, allow_other=allow_other, auto_unmount=auto_unmount, writeback=writeback
+            )
+            fd, ready_fd = ready_fd, -1  # bridge_run always closes it
+            bridge.serve(fd)
+    finally:
+        _ACTIVE = None
+        if ready_fd >= 0:
+            os.close(ready_fd)  # EOF without b"1": the caller learns the mount failed
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="slates-bridge", description=__doc__.splitlines()[0])
+    parser.add_argument("--runtime-dir", default=None)
+    parser.add_argument("--volume", required=True)
+    parser.add_argument("--mountpoint", required=True)
+    parser.add_argument("--ready-fd", type=int, default=-1)
+    parser.add_argument("--allow-other", action="store_true")
+    parser.add_argument("--auto-unmount", action="store_true")
+    parser.add_argument(
+        "--no-writeback-cache",
+        action="store_true",
+        help="write through to the shard on every write(2) (no dirty pages in the kernel)",
+    )
+    parser.add_argument("--counters", default=None, help="file to keep the request counters in")
+    args = parser.parse_args(argv)
+    # Before the C loop owns the signals, a SIGTERM must still unwind (and unmount).
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+    try:
+        run_bridge(
+            args.runtime_dir,
+            args.volume,
+            args.mountpoint,
+            ready_fd=args.ready_fd,
+            allow_other=args.allow_other,
+            auto_unmount=args.auto_unmount,
+            writeback=not args.no_writeback_cache,
+            counters=args.counters,
+        )
+    except SlatesError as exc:
+        details = " ".join(f"{k}={v}" for k, v in exc.details.items())
+        print(f"slates-bridge: {exc.code}: {exc.message} {details}".rstrip(), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    from slates.fuse import bridge as _canonical  # the module whose callback C calls
+
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(_canonical.main())
