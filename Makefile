@@ -28,6 +28,7 @@ bootstrap: system-packages $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 
 demo: bootstrap
+	$(BIN)/slates demo --workspace
 	$(BIN)/slates demo
 
 lint: bootstrap

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 from rich.console import Console
@@ -250,9 +250,23 @@ def main() -> None:
     default=None,
     help="Write the sample project to DIR (absent or empty) and leave it there.",
 )
-def demo(as_json: bool, keep: str | None) -> None:
+@click.option(
+    "--workspace",
+    is_flag=True,
+    help="Run a real service and mount: an agent's workspace over a sample project.",
+)
+def demo(as_json: bool, keep: str | None, workspace: bool) -> None:
     """Walk through volumes, clones, capacity and sealing on a generated sample project."""
     try:
+        if workspace:
+            from .workspace_demo import run_workspace_demo
+
+            observed = run_workspace_demo()
+            if as_json:
+                click.echo(json.dumps(observed, indent=2))
+            else:
+                print_workspace_demo(observed, Console())
+            return
         result = run_demo(keep)
     except SlatesError as error:
         _fail(error)
@@ -260,6 +274,28 @@ def demo(as_json: bool, keep: str | None) -> None:
         click.echo(json.dumps(result, indent=2))
     else:
         print_demo(result, Console())
+
+
+def print_workspace_demo(observed: dict[str, Any], console: Console) -> None:
+    counters = observed["counters"]
+    rows: list[tuple[str, str | Text]] = [
+        ("project (the live base)", observed["project"]),
+        ("volume", f"{observed['volume']} mounted at {observed['mountpoint']}"),
+        ("ls in the mount", ", ".join(observed["listing"])),
+        ("image.conf in the mount", _shown(observed["image_conf_in_mount"])),
+        ("image.conf on disk", _shown(observed["image_conf_on_disk"])),
+        ("git log in the mount", observed["git_log"]),
+        ("make && ./app in the mount", observed["program_output"]),
+        ("snapshot, then clone", f"{observed['snapshot']} -> {observed['clone']}"),
+        ("the clone reads", _shown(observed["clone_reads"])),
+        (
+            "volume counters",
+            f"referenced {format_units(counters['referenced_bytes'])}, "
+            f"unique {format_units(counters['unique_bytes'])}",
+        ),
+        ("project directory unchanged", _yes(observed["project_unchanged"])),
+    ]
+    console.print(_facts("A workspace over a directory, mounted", rows))
 
 
 @main.command()

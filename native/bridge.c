@@ -1673,6 +1673,14 @@ static void op_lseek(fuse_req_t req, fuse_ino_t ino, off_t off, int whence,
                      struct fuse_file_info *fi)
 {
     (void)fi;
+    if (g.writeback) {
+        /* With the writeback cache the kernel may hold data the shard has
+         * not seen yet: a hole the shard reports could hide it (cp would
+         * skip it).  ENOSYS makes the kernel answer from its own size,
+         * treating the whole file as data, which is always safe. */
+        fuse_reply_err(req, ENOSYS);
+        return;
+    }
     const msgpack_object *res;
     int64_t at;
     enc_lseek(ino, (uint64_t)off, whence);
@@ -1829,6 +1837,25 @@ int bridge_run(int ready_fd)
     for (int i = 0; i < 3; i++)
         sigaction(SIGNALS[i], &old[i], NULL);
     return rc == -ENODEV ? 0 : rc;
+}
+
+/* Called from the watcher thread while the session loop runs (libfuse's
+ * notify calls are safe from another thread).  -ENOENT (the kernel does not
+ * know the inode or name) is not an error: there is nothing to forget. */
+int bridge_notify_inval_inode(uint64_t ino)
+{
+    if (g.se == NULL)
+        return -ENOTCONN;
+    int rc = fuse_lowlevel_notify_inval_inode(g.se, (fuse_ino_t)ino, 0, 0);
+    return rc == -ENOENT ? 0 : rc;
+}
+
+int bridge_notify_inval_entry(uint64_t parent, const char *name, size_t namelen)
+{
+    if (g.se == NULL)
+        return -ENOTCONN;
+    int rc = fuse_lowlevel_notify_inval_entry(g.se, (fuse_ino_t)parent, name, namelen);
+    return rc == -ENOENT ? 0 : rc;
 }
 
 void bridge_unmount(void)

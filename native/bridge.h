@@ -23,6 +23,7 @@
 #ifndef SLATES_BRIDGE_H
 #define SLATES_BRIDGE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define BRIDGE_RECONNECT_SECONDS 60
@@ -69,6 +70,8 @@ void bridge_exit(void);
 
 /* Unmount and destroy the session (idempotent). */
 void bridge_unmount(void);
+int bridge_notify_inval_inode(uint64_t ino);
+int bridge_notify_inval_entry(uint64_t parent, const char *name, size_t namelen);
 
 /* Counters: kernel requests by opcode, and the BRIDGE_STAT_* slots. */
 uint64_t bridge_request_count(int opcode);

@@ -96,6 +96,8 @@ ffibuilder.cdef(
     int bridge_run(int ready_fd);
     void bridge_exit(void);
     void bridge_unmount(void);
+    int bridge_notify_inval_inode(uint64_t ino);
+    int bridge_notify_inval_entry(uint64_t parent, const char *name, size_t namelen);
     uint64_t bridge_request_count(int opcode);
     uint64_t bridge_stat(int slot);
     int bridge_set_counter_memory(void *mem, uint64_t len);

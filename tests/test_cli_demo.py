@@ -227,3 +227,26 @@ def test_error_exit_codes_follow_fault(cli_env: dict[str, str], error: str, code
     assert done.returncode == code, done.stderr
     assert done.stderr == f"error: {error}: made to fail\n"
     assert done.stdout == ""
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/dev/fuse") or os.geteuid() != 0,
+    reason="the workspace demo mounts a volume: it needs /dev/fuse and root (CI has both)",
+)
+def test_workspace_demo_mounts_a_real_workspace() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "slates_cli.main", "demo", "--workspace", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    observed = json.loads(done.stdout)
+    assert observed["image_conf_in_mount"] == "quality=90\ncache=off\n"
+    assert observed["image_conf_on_disk"] == "quality=80\ncache=off\n"
+    assert observed["program_output"] == "quality 90"
+    assert observed["clone_reads"] == "quality=90\ncache=off\n"
+    assert observed["project_unchanged"] is True
+    assert [m["volume"] for m in observed["mounts"]] == [observed["volume"]]
+    assert not Path(observed["mountpoint"]).exists()  # cleaned up

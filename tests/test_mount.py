@@ -426,3 +426,25 @@ def test_mount_matches_tmpfs(
             os.close(fd)
         shutil.rmtree(reference)
         shutil.rmtree(work)
+
+
+def test_changes_by_other_clients_reach_the_mount_at_once(service: Service, tmp_path: Path) -> None:
+    with Client(service.runtime) as client:
+        volume = client.create_volume("shared-view")
+        vid = volume["id"]
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            (mnt / "conf").write_bytes(b"quality=80\n")
+            os.sync()
+            assert (mnt / "conf").read_bytes() == b"quality=80\n"  # now in the page cache
+            assert not (mnt / "later").exists()  # a cached negative entry
+            client.write(vid, "/conf", b"90", offset=8)
+            client.write(vid, "/later", b"new")
+            client.mkdir(vid, "/dir")
+            assert (mnt / "conf").read_bytes() == b"quality=90\n"
+            assert (mnt / "later").read_bytes() == b"new"
+            assert (mnt / "dir").is_dir()
+            client.rename(vid, "/later", "/dir/moved")
+            assert not (mnt / "later").exists()
+            assert (mnt / "dir" / "moved").read_bytes() == b"new"
+            client.unlink(vid, "/conf")
+            assert sorted(os.listdir(mnt)) == ["dir"]

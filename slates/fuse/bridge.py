@@ -72,6 +72,7 @@ import signal
 import socket
 import stat
 import sys
+import threading
 import time
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -257,6 +258,8 @@ class Bridge:
         self._counters: mmap.mmap | None = None
         self._counters_buffer: Any = None
         self.mounted = False
+        self.stopping = False
+        self.watching = threading.Event()
 
     def configure(self, spin_ns: int | None = None) -> None:
         spin = default_spin_ns() if spin_ns is None else spin_ns
@@ -310,6 +313,76 @@ class Bridge:
                     ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    def watch(self) -> threading.Thread:
+        """Start the watcher: the shard's invalidations for this volume, applied to the kernel.
+
+        A second connection to the shard (no rings) that only listens: when
+        another client (the SDK, a rebase) changes the volume, the shard sends
+        the inodes and names the kernel must forget, and waits for this
+        acknowledgement before it answers that client, so a program in the
+        mount sees the change as soon as its author does.
+        """
+        thread = threading.Thread(target=self._watch_forever, name="slates-watch", daemon=True)
+        thread.start()
+        if not self.watching.wait(RECONNECT_SECONDS):
+            raise SlatesError("the shard did not accept the watch connection", volume=self.volume)
+        return thread
+
+    def _watch_forever(self) -> None:
+        delay = 0.01
+        while not self.stopping:
+            try:
+                self._watch_once()
+                delay = 0.01
+            except (OSError, SlatesError) as exc:
+                if self.stopping:
+                    return
+                print(f"slates-bridge: watcher reconnecting ({exc})", file=sys.stderr)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def _watch_once(self) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(self._socket_path())
+            sock.sendall(frame(pack({"client": self.client_id, "watch": self.volume})))
+            reader = FrameReader()
+            first = True
+            while not self.stopping:
+                while (payload := reader.next_frame()) is None:
+                    data = sock.recv(1 << 16)
+                    if not data:
+                        raise ConnectionResetError("the shard closed the watch connection")
+                    reader.feed(data)
+                message = unpack(payload)
+                if first:
+                    first = False
+                    if message.get("ok") is not True:
+                        error = message.get("error")
+                        raise error_from_wire(error if isinstance(error, dict) else {})
+                    self.watching.set()
+                    continue
+                self._invalidate(message.get("inval"))
+                sock.sendall(frame(pack({"ack": message.get("id")})))
+
+    @staticmethod
+    def _invalidate(notes: Any) -> None:
+        if not isinstance(notes, list):
+            raise VerificationFailed("malformed invalidation")
+        for note in notes:
+            match note:
+                case ["inode", int(ino)]:
+                    rc = lib.bridge_notify_inval_inode(ino)
+                case ["entry", int(parent), str(name)]:
+                    raw = os.fsencode(name)
+                    rc = lib.bridge_notify_inval_entry(parent, raw, len(raw))
+                case _:
+                    raise VerificationFailed("malformed invalidation", note=repr(note)[:80])
+            if rc < 0:
+                print(
+                    f"slates-bridge: invalidation {note} failed: {os.strerror(-rc)}",
+                    file=sys.stderr,
+                )
 
     def request(self, op: str, **args: Any) -> Any:
         """One request through the C path (the probe, and tests); raises the reply's error."""
@@ -417,7 +490,11 @@ def run_bridge(
                 where, allow_other=allow_other, auto_unmount=auto_unmount, writeback=writeback
             )
             fd, ready_fd = ready_fd, -1  # bridge_run always closes it
-            bridge.serve(fd)
+            bridge.watch()
+            try:
+                bridge.serve(fd)
+            finally:
+                bridge.stopping = True
     finally:
         _ACTIVE = None
         if ready_fd >= 0:

@@ -101,6 +101,7 @@ class FrameReader:
 class Hello:
     client: str
     rings: bool
+    watch: str | None = None  # a volume whose changes by other clients this connection hears
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,7 +131,10 @@ def parse_hello(message: dict[str, Any]) -> Hello:
     client = _field(message, "client", str)
     if not client or len(client) > MAX_CLIENT_ID:
         raise InvalidArgument("a client id is 1 to 128 characters")
-    return Hello(client, bool(message.get("rings", False)))
+    watch = message.get("watch")
+    if watch is not None and not isinstance(watch, str):
+        raise InvalidArgument("watch names a volume id")
+    return Hello(client, bool(message.get("rings", False)), watch)
 
 
 def parse_request(message: dict[str, Any]) -> Request:

@@ -34,6 +34,24 @@ import trio
 
 from slates.base.live import LiveDirectory
 from slates.core.host import Host
+from slates.core.records import (
+    Create,
+    Link,
+    Mkdir,
+    Mknod,
+    PunchHole,
+    RemoveXattr,
+    Rename,
+    Rmdir,
+    SetAttr,
+    SetXattr,
+    ShareRange,
+    Symlink,
+    Truncate,
+    Unlink,
+    Write,
+    decode,
+)
 from slates.errors import AccessDenied, InvalidArgument, SlatesError
 from slates.node.journal import ArenaChunks, Checkpoints, Journal, Segment
 from slates.node.protocol import (
@@ -96,6 +114,8 @@ class Shard:
         self.host = Host(capacity=capacity, chunks=ArenaChunks(Segment(arena_fd)))
         self.service = ShardService(index, self.host, LiveDirectory)
         self.connections = 0
+        self.watchers: dict[str, set[Watcher]] = {}
+        self.pending: dict[str, list[list[Any]]] = {}
 
     # -- recovery and commits -------------------------------------------------
 
@@ -148,7 +168,22 @@ class Shard:
             self.checkpoint()  # between requests: the state is exactly the journal's
         reply, events = self.service.handle(hello.client, request, time.time_ns())
         self.commit(events)
+        for vid, notes in invalidations(events).items():
+            self.pending.setdefault(vid, []).extend(notes)
         return pack(reply)
+
+    async def deliver(self, client: str) -> None:
+        """Tell the watchers (mount bridges) what changed, before the change is answered.
+
+        A bridge is not told of its own requests: its kernel made them.  A
+        watcher that does not acknowledge within WATCH_SECONDS is dropped (its
+        connection closed, so the bridge reconnects and starts clean).
+        """
+        pending, self.pending = self.pending, {}
+        for vid, notes in pending.items():
+            for watcher in list(self.watchers.get(vid, ())):
+                if watcher.client != client:
+                    await watcher.notify(notes)
 
     # -- connections ----------------------------------------------------------
 
@@ -185,10 +220,16 @@ class Shard:
         answer = frame(
             pack({"ok": True, "shard": self.index, "pid": os.getpid(), "rings": hello.rings})
         )
+        if hello.watch is not None:
+            await send_all(conn, answer)
+            await self._watch(conn, reader, hello.client, hello.watch)
+            return
         if not hello.rings:
             await send_all(conn, answer)
             while (message := await receive_frame(conn, reader)) is not None:
-                await send_all(conn, frame(self.handle(hello, message)))
+                reply = self.handle(hello, message)
+                await self.deliver(hello.client)
+                await send_all(conn, frame(reply))
             return
         with RingPair.create(RING_CAPACITY) as pair:
             fds = array.array("i", pair.fds)
@@ -200,6 +241,7 @@ class Shard:
                 while True:
                     message = await pair.requests.receive()
                     reply = self.handle(hello, message)
+                    await self.deliver(hello.client)
                     if len(reply) > pair.replies.max_message:
                         await send_all(conn, frame(reply))
                         continue
@@ -214,8 +256,21 @@ class Shard:
         scope: trio.CancelScope,
     ) -> None:
         while (message := await receive_frame(conn, reader)) is not None:
-            await send_all(conn, frame(self.handle(hello, message)))
+            reply = self.handle(hello, message)
+            await self.deliver(hello.client)
+            await send_all(conn, frame(reply))
         scope.cancel()
+
+    async def _watch(
+        self, conn: trio.socket.SocketType, reader: FrameReader, client: str, vid: str
+    ) -> None:
+        watcher = Watcher(conn, client)
+        self.watchers.setdefault(vid, set()).add(watcher)
+        try:
+            while (message := await receive_frame(conn, reader)) is not None:
+                watcher.acknowledged(unpack(message))
+        finally:
+            self.watchers[vid].discard(watcher)
 
     def _check_peer(self, conn: trio.socket.SocketType) -> None:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
@@ -239,6 +294,69 @@ async def send_all(conn: trio.socket.SocketType, data: bytes) -> None:
     while view:
         sent = await conn.send(view)
         view = view[sent:]
+
+
+WATCH_SECONDS = 10.0
+
+
+class Watcher:
+    """A bridge's notification connection: invalidations out, acknowledgements back."""
+
+    def __init__(self, conn: trio.socket.SocketType, client: str) -> None:
+        self.conn = conn
+        self.client = client
+        self.sent = 0
+        self.acked = 0
+        self.changed = trio.Event()
+
+    async def notify(self, notes: list[list[Any]]) -> None:
+        self.sent += 1
+        number = self.sent
+        try:
+            await send_all(self.conn, frame(pack({"inval": notes, "id": number})))
+            with trio.move_on_after(WATCH_SECONDS):
+                while self.acked < number:
+                    await self.changed.wait()
+        except OSError:
+            pass
+        if self.acked < number:
+            self.conn.close()  # a watcher that cannot keep up starts over
+
+    def acknowledged(self, message: dict[str, Any]) -> None:
+        ack = message.get("ack")
+        if isinstance(ack, int) and ack > self.acked:
+            self.acked = ack
+            self.changed.set()
+            self.changed = trio.Event()
+
+
+def invalidations(events: list[Any]) -> dict[str, list[list[Any]]]:
+    """What a kernel caching a volume must forget after these journal events.
+
+    ["inode", ino] drops an inode's cached attributes and data;
+    ["entry", parent, name] drops a cached name (also a negative one).
+    """
+    out: dict[str, list[list[Any]]] = {}
+    for event in events:
+        if not (isinstance(event, list) and len(event) == 3 and event[0] == "rec"):
+            continue
+        notes = out.setdefault(event[1], [])
+        match decode(event[2]):
+            case Write(ino=ino) | Truncate(ino=ino) | PunchHole(ino=ino) | SetAttr(ino=ino):
+                notes.append(["inode", ino])
+            case SetXattr(ino=ino) | RemoveXattr(ino=ino) | ShareRange(dst_ino=ino):
+                notes.append(["inode", ino])
+            case Create(parent=p, name=n) | Mkdir(parent=p, name=n) | Symlink(parent=p, name=n):
+                notes += [["entry", p, n], ["inode", p]]
+            case Mknod(parent=p, name=n) | Unlink(parent=p, name=n) | Rmdir(parent=p, name=n):
+                notes += [["entry", p, n], ["inode", p]]
+            case Link(ino=ino, parent=p, name=n):
+                notes += [["entry", p, n], ["inode", p], ["inode", ino]]
+            case Rename(parent=p, name=n, new_parent=q, new_name=m):
+                notes += [["entry", p, n], ["entry", q, m], ["inode", p], ["inode", q]]
+            case _:
+                pass  # bindings, references, seals and snapshots change nothing visible
+    return {vid: notes for vid, notes in out.items() if notes}
 
 
 def unpack_events(payload: bytes) -> list[Any]:
