@@ -16,14 +16,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from slates import Client
 from slates.errors import SlatesError
+from slates.node.anchor import spawn_anchor
 
 __all__ = ["run_workspace_demo"]
 
@@ -74,29 +73,9 @@ def run_workspace_demo() -> dict[str, Any]:
     _sample(project)
     mnt.mkdir()
     before = _digest(project)
-    anchor = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "slates_cli.main",
-            "anchor",
-            "--runtime-dir",
-            str(runtime),
-            "--shards",
-            "2",
-            "--capacity",
-            "1GiB",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    anchor = spawn_anchor(runtime, shards=2, capacity="1GiB")
     result: dict[str, Any] = {"project": str(project), "mountpoint": str(mnt)}
     try:
-        deadline = time.monotonic() + 30
-        while not (runtime / "anchor.json").exists():
-            if anchor.poll() is not None or time.monotonic() > deadline:
-                raise SlatesError("the anchor did not start")
-            time.sleep(0.05)
         with Client(runtime) as client:
             volume = client.create_volume("image-work", base=project)
             result["volume"] = volume["id"]

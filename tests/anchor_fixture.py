@@ -6,12 +6,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from slates.errors import SlatesError
+from slates.node.anchor import spawn_anchor
 
 __all__ = ["Service", "checkpointing_service", "service", "start_service"]
 
@@ -58,31 +60,12 @@ class Service:
 def start_service(
     runtime: Path, shards: int = 2, capacity: str = "2GiB", env: dict[str, str] | None = None
 ) -> Service:
-    log = open(runtime.parent / f"{runtime.name}.log", "ab")  # noqa: SIM115 - owned by the process
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "slates_cli.main",
-            "anchor",
-            "--runtime-dir",
-            str(runtime),
-            "--shards",
-            str(shards),
-            "--capacity",
-            capacity,
-        ],
-        stdout=log,
-        stderr=log,
-        env={**os.environ, **(env or {})},
-    )
-    deadline = time.monotonic() + 30
-    while not (runtime / "anchor.json").exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(
-                "the anchor did not start: " + (runtime.parent / f"{runtime.name}.log").read_text()
-            )
-        time.sleep(0.02)
+    log_path = runtime.parent / f"{runtime.name}.log"
+    with open(log_path, "ab") as log:
+        try:
+            process = spawn_anchor(runtime, shards=shards, capacity=capacity, log=log, env=env)
+        except SlatesError:
+            raise AssertionError("the anchor did not start: " + log_path.read_text()) from None
     return Service(runtime, process)
 
 

@@ -33,10 +33,11 @@ from slates._native import ffi, lib
 from slates import errors
 from slates.base.live import LiveDirectory
 from slates.core.host import Host
-from slates.core.records import Attr, Kind
+from slates.core.records import Attr
 from slates.core.volume import Volume
 from slates.errors import AlreadyExists, InvalidArgument, NotFound, SlatesError
 from slates.fuse.bridge import read_counters
+from slates.node.fsops import MODE_BITS
 from slates.node.protocol import (
     FrameReader,
     error_reply,
@@ -256,15 +257,7 @@ def test_malformed_replies_are_rejected() -> None:
 
 # -- a stand-in shard -------------------------------------------------------------
 
-_KIND_BITS = {
-    Kind.FILE: stat.S_IFREG,
-    Kind.DIR: stat.S_IFDIR,
-    Kind.SYMLINK: stat.S_IFLNK,
-    Kind.FIFO: stat.S_IFIFO,
-    Kind.SOCKET: stat.S_IFSOCK,
-    Kind.CHAR_DEVICE: stat.S_IFCHR,
-    Kind.BLOCK_DEVICE: stat.S_IFBLK,
-}
+_KIND_BITS = MODE_BITS
 _KIND_OF = {bits: kind for kind, bits in _KIND_BITS.items()}
 
 

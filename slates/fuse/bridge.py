@@ -84,9 +84,8 @@ from slates.errors import (
     InvalidArgument,
     SlatesError,
     VerificationFailed,
-    error_from_wire,
 )
-from slates.node.protocol import FrameReader, frame, pack, parse_reply, unpack
+from slates.node.protocol import FrameReader, check_ok, frame, pack, parse_reply, unpack
 from slates.node.ring import default_spin_ns
 from slates.node.runtime import Runtime
 from slates.node.service import shard_of
@@ -231,10 +230,7 @@ def hello(socket_path: str, client_id: str, timeout: float) -> tuple[socket.sock
             if not data:
                 raise ConnectionResetError("the shard closed the connection during hello")
             reader.feed(data)
-        message = unpack(answer)
-        if message.get("ok") is not True:
-            error = message.get("error")
-            raise error_from_wire(error if isinstance(error, dict) else {})
+        check_ok(unpack(answer))
         if len(fds) != 4:
             raise VerificationFailed("the shard did not pass a ring pair", fds=len(fds))
         sock.settimeout(None)
@@ -357,9 +353,7 @@ class Bridge:
                 message = unpack(payload)
                 if first:
                     first = False
-                    if message.get("ok") is not True:
-                        error = message.get("error")
-                        raise error_from_wire(error if isinstance(error, dict) else {})
+                    check_ok(message)
                     self.watching.set()
                     continue
                 self._invalidate(message.get("inval"))

@@ -28,6 +28,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
 
 from slates.errors import (
     AccessDenied,
@@ -51,6 +53,7 @@ __all__ = [
     "parse_size",
     "run_anchor",
     "is_mounted",
+    "spawn_anchor",
 ]
 
 MAX_RESTARTS = 20
@@ -432,3 +435,30 @@ def run_anchor(runtime: Runtime, shards: int, capacity: int, *, daemon: bool) ->
 
     anchor.on_ready = signal_ready
     os._exit(anchor.run())
+
+
+def spawn_anchor(
+    runtime: Path,
+    *,
+    shards: int,
+    capacity: str,
+    log: IO[bytes] | int = subprocess.DEVNULL,
+    env: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> subprocess.Popen[bytes]:
+    """Start `slates anchor` as a child process and return once it serves (demos, tests)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "slates_cli.main", "anchor", "--runtime-dir", str(runtime),
+         "--shards", str(shards), "--capacity", capacity],
+        stdout=log,
+        stderr=log,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while not (runtime / "anchor.json").exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise SlatesError("the anchor did not start", runtime_dir=str(runtime))
+        time.sleep(0.02)
+    return process

@@ -44,6 +44,7 @@ __all__ = [
     "parse_request",
     "parse_reply",
     "ok_reply",
+    "check_ok",
     "error_reply",
 ]
 
@@ -153,6 +154,14 @@ def parse_reply(message: dict[str, Any]) -> Reply:
     if not isinstance(error, dict):
         raise InvalidArgument("malformed error reply")
     return Reply(seq, False, None, error_from_wire(error))
+
+
+def check_ok(message: dict[str, Any]) -> dict[str, Any]:
+    """A hello answer or control reply, or the error it carries, raised."""
+    if message.get("ok") is not True:
+        error = message.get("error")
+        raise error_from_wire(error if isinstance(error, dict) else {})
+    return message
 
 
 def ok_reply(seq: int, result: Any) -> dict[str, Any]:

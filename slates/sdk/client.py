@@ -39,9 +39,8 @@ from slates.errors import (
     SlatesError,
     SnapshotBarrierFailed,
     VerificationFailed,
-    error_from_wire,
 )
-from slates.node.protocol import FrameReader, frame, pack, parse_reply, unpack
+from slates.node.protocol import FrameReader, check_ok, frame, pack, parse_reply, unpack
 from slates.node.ring import RingPair
 from slates.node.runtime import Runtime
 from slates.node.service import shard_of
@@ -87,12 +86,12 @@ class _ShardConnection:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                         fds.extend(array.array("i", payload[: len(payload) // 4 * 4]))
                 self.reader.feed(data)
-            message = unpack(answer)
-            if message.get("ok") is not True:
+            try:
+                check_ok(unpack(answer))
+            except SlatesError:
                 for fd in fds:
                     os.close(fd)
-                error = message.get("error")
-                raise error_from_wire(error if isinstance(error, dict) else {})
+                raise
             if self.rings:
                 if len(fds) != 4:
                     raise VerificationFailed("the shard did not pass a ring pair")
@@ -292,11 +291,7 @@ class AsyncClient:
                 if not data:
                     raise SlatesError("the anchor closed the connection")
                 reader.feed(data)
-        reply = unpack(payload)
-        if reply.get("ok") is not True:
-            error = reply.get("error")
-            raise error_from_wire(error if isinstance(error, dict) else {})
-        return reply.get("result")
+        return check_ok(unpack(payload)).get("result")
 
     async def mount(self, volume: str, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Serve a volume at an empty directory you own (returns once it serves)."""
