@@ -294,6 +294,7 @@ class Anchor:
             "--volume", volume,
             "--mountpoint", path,
             "--ready-fd", str(ready_write),
+            "--counters", str(self.runtime.path / f"counters-{volume}-{time.time_ns()}"),
         ]  # fmt: skip
         log_path = (
             self.runtime.path / f"bridge-{os.getpid()}-{len(self.mounts)}-{time.time_ns()}.log"
