@@ -13,6 +13,7 @@
 #include <fuse_lowlevel.h>
 #include <msgpack.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -979,13 +980,16 @@ static struct {
     size_t cap; /* power of two, or 0 */
     size_t len;
 } g_absent;
+/* The loop thread reads and fills the set; the watcher thread empties an
+ * inode's entries when another client changes it (notify_inval_inode). */
+static pthread_mutex_t g_absent_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static size_t absent_home(uint64_t ino, size_t cap)
 {
     return (size_t)((ino * 0x9e3779b97f4a7c15ull) >> 17) & (cap - 1);
 }
 
-static int absent_has(uint64_t ino)
+static int absent_has_locked(uint64_t ino)
 {
     if (g_absent.cap == 0 || ino == 0)
         return 0;
@@ -1005,9 +1009,9 @@ static void absent_put(uint64_t *slots, size_t cap, uint64_t ino)
     slots[i] = ino;
 }
 
-static void absent_add(uint64_t ino)
+static void absent_add_locked(uint64_t ino)
 {
-    if (ino == 0 || absent_has(ino))
+    if (ino == 0 || absent_has_locked(ino))
         return;
     if (2 * (g_absent.len + 1) > g_absent.cap) {
         size_t cap = g_absent.cap ? 2 * g_absent.cap : 1024;
@@ -1026,7 +1030,7 @@ static void absent_add(uint64_t ino)
     g_absent.len++;
 }
 
-static void absent_remove(uint64_t ino)
+static void absent_remove_locked(uint64_t ino)
 {
     if (g_absent.cap == 0 || ino == 0)
         return;
@@ -1047,6 +1051,37 @@ static void absent_remove(uint64_t ino)
     }
     g_absent.slots[hole] = 0;
     g_absent.len--;
+}
+
+static int absent_has(uint64_t key)
+{
+    pthread_mutex_lock(&g_absent_lock);
+    int found = absent_has_locked(key);
+    pthread_mutex_unlock(&g_absent_lock);
+    return found;
+}
+
+static void absent_add(uint64_t key)
+{
+    pthread_mutex_lock(&g_absent_lock);
+    absent_add_locked(key);
+    pthread_mutex_unlock(&g_absent_lock);
+}
+
+static void absent_remove(uint64_t key)
+{
+    pthread_mutex_lock(&g_absent_lock);
+    absent_remove_locked(key);
+    pthread_mutex_unlock(&g_absent_lock);
+}
+
+/* Forget every probed name's absence for one inode. */
+static void absent_forget_inode(uint64_t ino)
+{
+    for (size_t i = 0; i < PROBED_COUNT; i++) {
+        if (ino != 0 && !(ino >> 60))
+            absent_remove(ino << 3 | (i + 1));
+    }
 }
 
 int bridge_test_absent_set(const uint64_t *ops, uint32_t n, uint64_t probe)
@@ -1846,6 +1881,7 @@ int bridge_notify_inval_inode(uint64_t ino)
 {
     if (g.se == NULL)
         return -ENOTCONN;
+    absent_forget_inode(ino); /* another client may have set one of them */
     int rc = fuse_lowlevel_notify_inval_inode(g.se, (fuse_ino_t)ino, 0, 0);
     return rc == -ENOENT ? 0 : rc;
 }

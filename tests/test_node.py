@@ -24,7 +24,7 @@ import pytest
 import trio
 
 from slates import AsyncClient, Client
-from slates.errors import InvalidArgument, NotFound, RequestExpired
+from slates.errors import CapacityExhausted, InvalidArgument, NotFound, RequestExpired
 from slates.node.protocol import FrameReader, frame, pack, unpack
 from slates.node.ring import RingPair
 from tests.anchor_fixture import Service, checkpointing_service, service, start_service
@@ -443,3 +443,30 @@ def test_a_stale_state_file_fails_fast(tmp_path: Path) -> None:
     (runtime / "anchor.json").write_text(json.dumps({"pid": dead.pid, "capacity": 1, "shards": []}))
     with pytest.raises(NotFound):  # at once, not after the reconnect budget
         Client(runtime)
+
+
+def test_refused_and_broken_volumes_never_take_a_shard_down(
+    service: Service, tmp_path: Path
+) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "f").write_bytes(b"base")
+    with Client(service.runtime) as client:
+        keep = client.create_volume("keep")
+        client.write(keep["id"], "/x", b"acknowledged")
+        with pytest.raises(CapacityExhausted):
+            client.call(keep["shard"], "volume.create", name="huge", bounded=1 << 50)
+        doomed = client.create_volume("doomed", base=base)
+        shutil.rmtree(base)  # the live base disappears
+        for index in range(2):
+            old = service.kill_shard(index)
+            service.wait_restarted(index, old)
+        assert client.read(keep["id"], "/x") == b"acknowledged"
+        with pytest.raises(NotFound):
+            client.read(doomed["id"], "/f")  # the volume failed, the shard did not
+        client.delete_volume(doomed["id"])
+        assert [v["id"] for v in client.list_volumes()] == [keep["id"]]
+        big = os.urandom(20 << 20)  # beyond one reply: the SDK reads in pieces
+        client.write(keep["id"], "/big", big)
+        assert client.read(keep["id"], "/big") == big
+        assert all(s["restarts"] == 1 for s in client.status()["shards"])

@@ -74,6 +74,7 @@ import stat
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -207,7 +208,9 @@ def check_mountpoint(path: str | os.PathLike[str]) -> Path:
     return mountpoint
 
 
-def hello(socket_path: str, client_id: str, timeout: float) -> tuple[socket.socket, list[int]]:
+def hello(
+    socket_path: str, client_id: str, timeout: float, mount: str | None = None
+) -> tuple[socket.socket, list[int]]:
     """Say hello (rings requested) on a shard's socket: (socket, the ring pair's 4 fds).
 
     Blocking; the same exchange as the SDK's _ShardConnection._connect.  The
@@ -218,7 +221,7 @@ def hello(socket_path: str, client_id: str, timeout: float) -> tuple[socket.sock
     try:
         sock.settimeout(timeout)
         sock.connect(socket_path)
-        sock.sendall(frame(pack({"client": client_id, "rings": True})))
+        sock.sendall(frame(pack({"client": client_id, "rings": True, "mount": mount})))
         reader = FrameReader()
         while (answer := reader.next_frame()) is None:
             data, ancillary, _flags, _addr = sock.recvmsg(
@@ -250,7 +253,8 @@ class Bridge:
         self.runtime = runtime
         self.volume = volume
         self.shard = shard_of(volume)
-        self.client_id = client_id or f"bridge-{volume}-{os.getpid()}"
+        # Random per process: a recycled pid must not inherit an old bridge's requests.
+        self.client_id = client_id or f"bridge-{volume}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._counters: mmap.mmap | None = None
         self._counters_buffer: Any = None
         self.mounted = False
@@ -285,7 +289,7 @@ class Bridge:
 
     def connect(self, timeout: float = HELLO_TIMEOUT) -> None:
         """One hello; hands the ring pair and the socket to C."""
-        sock, fds = hello(self._socket_path(), self.client_id, timeout)
+        sock, fds = hello(self._socket_path(), self.client_id, timeout, self.volume)
         sock_fd = sock.detach()
         rc = lib.bridge_attach(fds[0], fds[1], fds[2], fds[3], sock_fd)  # C owns them now
         if rc < 0:

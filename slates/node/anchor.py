@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import select
 import signal
 import socket
 import stat
@@ -59,6 +60,8 @@ __all__ = [
 MAX_RESTARTS = 20
 RESTART_WINDOW = 60.0
 _UCRED = struct.Struct("3i")
+CONTROL_SECONDS = 2.0
+BRIDGE_START_SECONDS = 60.0
 JOURNAL_SIZE = 4 << 30  # virtual sizes: memfds are sparse
 CHECKPOINT_SIZE = 8 << 30
 
@@ -123,6 +126,7 @@ class Anchor:
         self.shard_count = shards
         self.on_ready: Callable[[], object] | None = None
         self.mounts: dict[str, _Mount] = {}  # by directory
+        self.exit_code = 0
         self.control: socket.socket | None = None
 
     def _listen(self, index: int) -> socket.socket:
@@ -205,28 +209,31 @@ class Anchor:
         if self.on_ready is not None:
             self.on_ready()
         _log(f"anchor {os.getpid()} serving {len(self.slots)} shards in {self.runtime.path}")
-        code = 0
         while not self.stopping:
-            for slot in self.slots:
-                process = slot.process
-                if process is None or process.poll() is None:
-                    continue
-                _log(f"shard {slot.index} (pid {process.pid}) exited with {process.returncode}")
-                now = time.monotonic()
-                slot.recent.append(now)
-                while slot.recent and now - slot.recent[0] > RESTART_WINDOW:
-                    slot.recent.popleft()
-                if len(slot.recent) > MAX_RESTARTS:
-                    _log(f"shard {slot.index} keeps dying; giving up")
-                    self.stopping, code = True, 1
-                    break
-                slot.restarts += 1
-                self._start(slot)
-                self._publish()
-            self._reap_bridges()
+            self._supervise()
             self._serve_control()
         self._shutdown()
-        return code
+        return self.exit_code
+
+    def _supervise(self) -> None:
+        """Restart dead shards and clean up dead bridges (never blocks)."""
+        for slot in self.slots:
+            process = slot.process
+            if process is None or process.poll() is None:
+                continue
+            _log(f"shard {slot.index} (pid {process.pid}) exited with {process.returncode}")
+            now = time.monotonic()
+            slot.recent.append(now)
+            while slot.recent and now - slot.recent[0] > RESTART_WINDOW:
+                slot.recent.popleft()
+            if len(slot.recent) > MAX_RESTARTS:
+                _log(f"shard {slot.index} keeps dying; giving up")
+                self.stopping, self.exit_code = True, 1
+                return
+            slot.restarts += 1
+            self._start(slot)
+            self._publish()
+        self._reap_bridges()
 
     # -- mounts ---------------------------------------------------------------
 
@@ -238,7 +245,7 @@ class Anchor:
         except (TimeoutError, InterruptedError):
             return
         with conn:
-            conn.settimeout(60)
+            conn.settimeout(CONTROL_SECONDS)  # a silent client cannot hold up supervision
             try:
                 creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
                 _pid, uid, _gid = _UCRED.unpack(creds)
@@ -285,6 +292,9 @@ class Anchor:
             raise AccessDenied("the mount directory belongs to another user", directory=path)
         if path in self.mounts or is_mounted(path):
             raise AlreadyExists("something is already mounted there", directory=path)
+        for other in self.mounts.values():
+            if other.volume == volume:  # kernel references are counted per volume
+                raise AlreadyExists("the volume is already mounted", directory=other.directory)
         if os.listdir(path):
             raise InvalidArgument("the mount directory is not empty", directory=path)
         ready_read, ready_write = os.pipe()
@@ -302,10 +312,13 @@ class Anchor:
         with open(log_path, "wb") as log:  # the bridge's diagnostics; read back on failure
             process = subprocess.Popen(command, pass_fds=(ready_write,), stderr=log)
         os.close(ready_write)
-        with os.fdopen(ready_read, "rb") as ready:
-            started = ready.read(1) == b"1"  # EOF (no "1") when the bridge fails
+        started = self._wait_ready(ready_read, process)
         if not started:
-            process.wait(timeout=30)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
             message = log_path.read_text(errors="replace")
             log_path.unlink(missing_ok=True)
             self._clean_mountpoint(path)
@@ -314,6 +327,18 @@ class Anchor:
         self._publish()
         _log(f"mounted {volume} at {path} (bridge pid {process.pid})")
         return {"directory": path, "volume": volume, "pid": process.pid}
+
+    def _wait_ready(self, ready_fd: int, process: subprocess.Popen[bytes]) -> bool:
+        """Wait for the bridge's b"1", supervising the shards meanwhile (it may need one)."""
+        deadline = time.monotonic() + BRIDGE_START_SECONDS
+        with os.fdopen(ready_fd, "rb", buffering=0) as ready:
+            while time.monotonic() < deadline and not self.stopping:
+                readable, _, _ = select.select([ready], [], [], 0.05)
+                if readable:
+                    return ready.read(1) == b"1"  # EOF (no "1") when the bridge fails
+                self._supervise()
+        process.kill()
+        return False
 
     def _unmount(self, path: str) -> dict[str, object]:
         mount = self.mounts.pop(path, None)
@@ -399,9 +424,12 @@ def _unescape(field: str) -> str:
 def _bridge_error(message: str) -> SlatesError:
     """The bridge's own error line ("error: Code: message") as that error."""
     for line in reversed(message.strip().splitlines()):
-        if line.startswith("error: ") and ": " in line[7:]:
-            code, text = line[7:].split(": ", 1)
-            return error_from_wire({"code": code, "message": text})
+        for prefix in ("error: ", "slates-bridge: "):
+            rest = line.removeprefix(prefix)
+            if rest != line and ": " in rest:
+                code, text = rest.split(": ", 1)
+                if code.isidentifier():
+                    return error_from_wire({"code": code, "message": text})
     return SlatesError("the mount bridge failed to start", output=message[-2000:])
 
 

@@ -300,7 +300,7 @@ def _statfs(volume: Volume) -> dict[str, int]:
 
 def _readdir(volume: Volume, args: dict[str, Any]) -> list[list[Any]]:
     ino, offset, plus = _int(args, "ino"), _int(args, "offset"), bool(args.get("plus"))
-    budget = _int(args, "limit_bytes")
+    budget = min(_int(args, "limit_bytes"), 1 << 20)  # bounded, whatever the client asks
     parent = volume.parent_of(ino)
     entries: list[tuple[int, str, int, int]] = [
         (1, ".", stat.S_IFDIR, ino),

@@ -103,6 +103,7 @@ class Hello:
     client: str
     rings: bool
     watch: str | None = None  # a volume whose changes by other clients this connection hears
+    mount: str | None = None  # the volume a mount bridge serves (its references end with it)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -132,10 +133,10 @@ def parse_hello(message: dict[str, Any]) -> Hello:
     client = _field(message, "client", str)
     if not client or len(client) > MAX_CLIENT_ID:
         raise InvalidArgument("a client id is 1 to 128 characters")
-    watch = message.get("watch")
-    if watch is not None and not isinstance(watch, str):
-        raise InvalidArgument("watch names a volume id")
-    return Hello(client, bool(message.get("rings", False)), watch)
+    watch, mount = message.get("watch"), message.get("mount")
+    if any(value is not None and not isinstance(value, str) for value in (watch, mount)):
+        raise InvalidArgument("watch and mount name a volume id")
+    return Hello(client, bool(message.get("rings", False)), watch, mount)
 
 
 def parse_request(message: dict[str, Any]) -> Request:

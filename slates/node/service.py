@@ -55,10 +55,11 @@ from slates.node.protocol import Request, error_reply, ok_reply
 __all__ = ["ShardService", "MAX_UNACKED", "READ_ONLY_OPS", "shard_of"]
 
 MAX_UNACKED = 1024
+MAX_READ_BYTES = 16 << 20  # one reply stays well under the 64 MiB frame limit
 READ_ONLY_OPS = frozenset(
     {"status", "volume.list", "volume.show", "read", "list", "stat", "readlink"}
     | {"fs.getattr", "fs.read", "fs.readlink", "fs.getxattr", "fs.listxattr", "fs.statfs"}
-    | {"fs.lseek", "fs.access", "fs.fsync"}
+    | {"fs.lseek", "fs.access", "fs.fsync", "bye"}
 )
 Event = list[Any]
 
@@ -130,7 +131,9 @@ class ShardService:
         self.results: dict[str, dict[int, dict[str, Any]]] = {}
         self.acked: dict[str, int] = {}
         self.next_id = 1
+        self.collect_due = False
         self._events: list[Event] = []
+        self._client = ""
 
     # -- requests -------------------------------------------------------------
 
@@ -139,6 +142,7 @@ class ShardService:
     ) -> tuple[dict[str, Any], list[Event]]:
         """Run one request; returns (reply, events to commit before replying)."""
         self._events = []
+        self._client = client
         if request.seq <= self.acked.get(client, 0):
             expired = RequestExpired("the request was already acknowledged", seq=request.seq)
             return error_reply(request.seq, expired), []
@@ -164,13 +168,23 @@ class ShardService:
             self._emit(["done", client, request.seq, reply])
         return reply, self._take_events()
 
+    def release_mount(self, vid: str) -> list[Event]:
+        """A mount's connection ended: drop the kernel references it held (journaled)."""
+        self._events = []
+        volume = self.volumes.get(vid)
+        if volume is not None and vid not in self.failed:
+            for ino in volume.held_inodes():
+                volume.forget(ino, volume.handles(ino))
+        return self._take_events()
+
     def _take_events(self) -> list[Event]:
         events, self._events = self._events, []
         return events
 
     def _emit(self, event: Event) -> None:
-        self._events.append(event)
+        # Applied first: an event that fails (a quota refused) is never journaled.
         self._apply_event(event, live=True)
+        self._events.append(event)
 
     def _watch(self, vid: str, volume: Volume) -> None:
         def on_applied(record: Record, result: object) -> None:
@@ -214,9 +228,16 @@ class ShardService:
             case "volume.create":
                 return self._create_volume(args, now)
             case "volume.delete":
-                vid, _volume = self._volume(args)
-                self._emit(["drop", vid])
+                vid = _str_arg(args, "volume")
+                if vid not in self.volumes and vid not in self.failed:
+                    raise NotFound("no such volume", volume=vid)
+                self._emit(["drop", vid])  # a failed volume can be deleted too
                 return {"deleted": vid}
+            case "bye":
+                # The client will not use its id again: forget its saved replies.
+                self._emit(["bye", self._client])
+                return {}
+
             case "clone":
                 return self._clone(args)
             case "snapshot":
@@ -244,6 +265,8 @@ class ShardService:
                 ino = volume.resolve(_path_arg(args))
                 size = args.get("size")
                 limit = volume.getattr(ino).size if size is None else _int_arg(args, "size")
+                if limit > MAX_READ_BYTES:
+                    raise InvalidArgument("read at most 16 MiB at a time", size=limit)
                 return volume.read(ino, _int_arg(args, "offset", 0), limit)
             case "stat":
                 return _attr_dict(volume.getattr(volume.resolve(_path_arg(args))))
@@ -369,9 +392,24 @@ class ShardService:
     # -- events ---------------------------------------------------------------
 
     def replay(self, events: Iterable[Event]) -> None:
-        """Apply committed events (recovery); replies are not produced again."""
+        """Apply committed events (recovery); replies are not produced again.
+
+        Replay never stops the shard: an event that cannot be applied now (its
+        base directory was deleted, say) fails only its volume, which then
+        answers every request with that error until it is deleted.
+        """
         for event in events:
-            self._apply_event(event, live=False)
+            try:
+                self._apply_event(event, live=False)
+            except SlatesError as exc:
+                vid = event[1] if len(event) > 1 and isinstance(event[1], str) else None
+                if vid is None or event[0] not in ("new", "clone"):
+                    raise
+                self.names.setdefault(vid, str(event[2]))
+                self.base_keys.setdefault(vid, event[3] if isinstance(event[3], str) else None)
+                self.failed[vid] = exc
+                self._saw_id(vid)
+        self.collect_garbage()
 
     def _apply_event(self, event: Event, *, live: bool) -> None:
         match event:
@@ -436,9 +474,12 @@ class ShardService:
                 self.failed.pop(vid, None)
                 if dropped is not None:
                     dropped.close()
-                    self._collect()
+                    self.collect_due = True  # after the drop is committed, not before
             case ["done", str(client), int(seq), dict(reply)]:
                 self.results.setdefault(client, {})[seq] = reply
+            case ["bye", str(client)]:
+                self.results.pop(client, None)
+                self.acked.pop(client, None)
             case ["ack", str(client), int(upto)]:
                 self.acked[client] = max(self.acked.get(client, 0), upto)
                 saved = self.results.get(client, {})
@@ -458,7 +499,11 @@ class ShardService:
     def _base_key_of(self, snapshot: Snapshot) -> str | None:
         return getattr(snapshot.base, "root", None) if snapshot.base is not None else None
 
-    def _collect(self) -> None:
+    def collect_garbage(self) -> None:
+        """Free chunks no volume or snapshot refers to (call once the drop is committed)."""
+        if not self.collect_due:
+            return
+        self.collect_due = False
         roots = [v.root for v in self.volumes.values()] + [s.root for s in self.snapshots.values()]
         self.host.collect(chunk_ids(root) for root in roots)
 

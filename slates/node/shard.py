@@ -52,9 +52,10 @@ from slates.core.records import (
     Write,
     decode,
 )
-from slates.errors import AccessDenied, InvalidArgument, SlatesError
+from slates.errors import AccessDenied, InvalidArgument, NotFound, SlatesError
 from slates.node.journal import ArenaChunks, Checkpoints, Journal, Segment
 from slates.node.protocol import (
+    MAX_FRAME,
     FrameReader,
     Hello,
     error_reply,
@@ -168,9 +169,14 @@ class Shard:
             self.checkpoint()  # between requests: the state is exactly the journal's
         reply, events = self.service.handle(hello.client, request, time.time_ns())
         self.commit(events)
+        self.service.collect_garbage()
         for vid, notes in invalidations(events).items():
             self.pending.setdefault(vid, []).extend(notes)
-        return pack(reply)
+        packed = pack(reply)
+        if len(packed) > MAX_FRAME - 1024:
+            too_large = InvalidArgument("the reply is too large; ask for less", size=len(packed))
+            packed = pack(error_reply(request.seq, too_large))
+        return packed
 
     async def deliver(self, client: str) -> None:
         """Tell the watchers (mount bridges) what changed, before the change is answered.
@@ -203,6 +209,8 @@ class Shard:
                 await self._converse(conn)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+        except Exception as exc:  # one connection's failure never ends the shard
+            _log(f"connection failed: {type(exc).__name__}: {exc}")
         finally:
             self.connections -= 1
 
@@ -221,6 +229,10 @@ class Shard:
             pack({"ok": True, "shard": self.index, "pid": os.getpid(), "rings": hello.rings})
         )
         if hello.watch is not None:
+            if hello.watch not in self.service.volumes:
+                missing = NotFound("no such volume to watch", volume=hello.watch)
+                await send_all(conn, frame(pack(error_reply(0, missing))))
+                return
             await send_all(conn, answer)
             await self._watch(conn, reader, hello.client, hello.watch)
             return
@@ -231,6 +243,15 @@ class Shard:
                 await self.deliver(hello.client)
                 await send_all(conn, frame(reply))
             return
+        try:
+            await self._serve_rings(conn, reader, hello, answer)
+        finally:
+            if hello.mount is not None:  # the bridge is gone: so are the kernel's references
+                self.commit(self.service.release_mount(hello.mount))
+
+    async def _serve_rings(
+        self, conn: trio.socket.SocketType, reader: FrameReader, hello: Hello, answer: bytes
+    ) -> None:
         with RingPair.create(RING_CAPACITY) as pair:
             fds = array.array("i", pair.fds)
             await conn.sendmsg([answer], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
@@ -308,23 +329,29 @@ class Watcher:
         self.sent = 0
         self.acked = 0
         self.changed = trio.Event()
+        self.lock = trio.Lock()  # one notification at a time on the socket
+        self.dead = False
 
     async def notify(self, notes: list[list[Any]]) -> None:
-        self.sent += 1
-        number = self.sent
-        try:
-            await send_all(self.conn, frame(pack({"inval": notes, "id": number})))
-            with trio.move_on_after(WATCH_SECONDS):
-                while self.acked < number:
-                    await self.changed.wait()
-        except OSError:
-            pass
-        if self.acked < number:
-            self.conn.close()  # a watcher that cannot keep up starts over
+        if self.dead:
+            return
+        async with self.lock:
+            self.sent += 1
+            number = self.sent
+            with trio.move_on_after(WATCH_SECONDS):  # the send too: a watcher may not read
+                try:
+                    await send_all(self.conn, frame(pack({"inval": notes, "id": number})))
+                    while self.acked < number:
+                        await self.changed.wait()
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            if self.acked < number:
+                self.dead = True
+                self.conn.close()  # a watcher that cannot keep up starts over
 
     def acknowledged(self, message: dict[str, Any]) -> None:
         ack = message.get("ack")
-        if isinstance(ack, int) and ack > self.acked:
+        if isinstance(ack, int) and self.acked < ack <= self.sent:
             self.acked = ack
             self.changed.set()
             self.changed = trio.Event()

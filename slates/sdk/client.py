@@ -48,6 +48,7 @@ from slates.node.service import shard_of
 __all__ = ["AsyncClient", "Client", "RECONNECT_SECONDS"]
 
 RECONNECT_SECONDS = 30.0
+READ_PIECE = 8 << 20  # the shard answers at most 16 MiB per read
 BARRIER_SECONDS = 60.0
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _T = TypeVar("_T")
@@ -231,7 +232,12 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Say goodbye (the shards forget this client's saved replies), then disconnect."""
         for shard in self._shards:
+            if shard.sock is not None:
+                with contextlib.suppress(SlatesError, OSError, trio.TooSlowError):
+                    with trio.fail_after(5):
+                        await shard.request("bye", {})
             shard.close()
 
     def _connection(self, index: int) -> _ShardConnection:
@@ -397,11 +403,20 @@ class AsyncClient:
     # -- files ------------------------------------------------------------------
 
     async def read(self, volume: str, path: str, offset: int = 0, size: int | None = None) -> bytes:
-        args: dict[str, Any] = {"volume": volume, "path": path, "offset": offset}
-        if size is not None:
-            args["size"] = size
-        result = await self._on(volume, "read", **args)
-        return bytes(result)
+        """Bytes of a file (all of it from `offset` when size is None), in bounded pieces."""
+        pieces: list[bytes] = []
+        while size is None or size > 0:
+            want = READ_PIECE if size is None else min(size, READ_PIECE)
+            piece = bytes(
+                await self._on(volume, "read", volume=volume, path=path, offset=offset, size=want)
+            )
+            pieces.append(piece)
+            offset += len(piece)
+            if size is not None:
+                size -= len(piece)
+            if len(piece) < want:
+                break
+        return b"".join(pieces)
 
     async def write(
         self,
