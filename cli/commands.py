@@ -516,11 +516,18 @@ def ls(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) -> No
 @click.argument("directory", type=click.Path(file_okay=False))
 @runtime_dir_option
 @json_option
-def mount(volume_ref: str, directory: str, runtime_dir: str | None, as_json: bool) -> None:
+@click.option(
+    "--writeback/--no-writeback",
+    default=True,
+    help="Kernel writeback cache (default on); off: every later warm read pass sends nothing.",
+)
+def mount(
+    volume_ref: str, directory: str, runtime_dir: str | None, as_json: bool, writeback: bool
+) -> None:
     """Serve VOLUME at DIRECTORY (empty, yours); returns once it serves."""
     with _client(runtime_dir) as client:
         vid = resolve_volume(client, volume_ref)
-        result = client.mount(vid, directory)
+        result = client.mount(vid, directory, writeback=writeback)
     if as_json:
         _echo_json(result)
     else:

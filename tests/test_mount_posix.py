@@ -7,6 +7,7 @@ import errno
 import os
 import signal
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,61 @@ def test_a_bridge_that_cannot_finish_fails_the_snapshot(
                 os.kill(bridge, signal.SIGCONT)
                 os.close(fd)
             assert client.status()["shards"][volume["shard"]]["snapshots"] == []
+
+
+def _requests(runtime: Path) -> int:
+    from slates.fuse.bridge import read_counters
+
+    kernel_ops = (
+        "LOOKUP",
+        "GETATTR",
+        "READ",
+        "READDIR",
+        "READDIRPLUS",
+        "OPEN",
+        "OPENDIR",
+        "FLUSH",
+        "RELEASE",
+        "GETXATTR",
+        "STATX",
+        "ACCESS",
+    )
+    return sum(
+        read_counters(path).get(op, 0) for path in runtime.glob("counters-*") for op in kernel_ops
+    )
+
+
+def test_without_writeback_a_warm_tree_sends_no_requests(service: Service, tmp_path: Path) -> None:
+    base = tmp_path / "tree"
+    for d in range(5):
+        (base / f"d{d}").mkdir(parents=True)
+        for f in range(40):
+            (base / f"d{d}" / f"f{f}.c").write_bytes(os.urandom(100 + f * 37))
+    with Client(service.runtime) as client:
+        volume = client.create_volume("warm", base=base)
+        where = tmp_path / "mnt"
+        where.mkdir()
+        client.mount(volume["id"], where, writeback=False)
+        try:
+            passes = []
+            for _ in range(4):
+                before = _requests(service.runtime)
+                subprocess.run(
+                    "find . -type f -print0 | xargs -0 cat > /dev/null",
+                    shell=True,
+                    cwd=where,
+                    check=True,
+                )
+                passes.append(_requests(service.runtime) - before)
+            assert passes[0] > 0
+            assert passes[3] == 0, f"requests per pass: {passes}"
+            # Without the writeback cache the shard sees every write, so holes are precise.
+            fd = os.open(where / "sparse", os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                os.pwrite(fd, b"x" * 4096, 1 << 20)
+                assert os.lseek(fd, 0, os.SEEK_DATA) == 1 << 20
+                assert os.lseek(fd, 1 << 20, os.SEEK_HOLE) == (1 << 20) + 4096
+            finally:
+                os.close(fd)
+        finally:
+            client.unmount(where)

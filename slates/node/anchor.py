@@ -271,7 +271,10 @@ class Anchor:
                 volume, directory = request.get("volume"), request.get("directory")
                 if not isinstance(volume, str) or not isinstance(directory, str):
                     raise InvalidArgument("mount needs a volume and a directory")
-                return self._mount(volume, directory, uid)
+                writeback = request.get("writeback", True)
+                if not isinstance(writeback, bool):
+                    raise InvalidArgument("writeback is true or false")
+                return self._mount(volume, directory, uid, writeback)
             case "unmount":
                 directory = request.get("directory")
                 if not isinstance(directory, str):
@@ -280,7 +283,9 @@ class Anchor:
             case _:
                 raise InvalidArgument("unknown control operation")
 
-    def _mount(self, volume: str, directory: str, uid: int) -> dict[str, object]:
+    def _mount(
+        self, volume: str, directory: str, uid: int, writeback: bool = True
+    ) -> dict[str, object]:
         path = os.path.realpath(directory)
         try:
             st = os.stat(path)
@@ -305,6 +310,7 @@ class Anchor:
             "--mountpoint", path,
             "--ready-fd", str(ready_write),
             "--counters", str(self.runtime.path / f"counters-{volume}-{time.time_ns()}"),
+            *([] if writeback else ["--no-writeback-cache"]),
         ]  # fmt: skip
         log_path = (
             self.runtime.path / f"bridge-{os.getpid()}-{len(self.mounts)}-{time.time_ns()}.log"

@@ -299,11 +299,24 @@ class AsyncClient:
                 reader.feed(data)
         return check_ok(unpack(payload)).get("result")
 
-    async def mount(self, volume: str, directory: str | os.PathLike[str]) -> dict[str, Any]:
-        """Serve a volume at an empty directory you own (returns once it serves)."""
+    async def mount(
+        self, volume: str, directory: str | os.PathLike[str], *, writeback: bool = True
+    ) -> dict[str, Any]:
+        """Serve a volume at an empty directory you own (returns once it serves).
+
+        writeback=True lets the kernel gather writes (fewer, larger requests);
+        False sends each write through at once, which keeps the kernel's
+        attributes valid across closes: repeated reads of an unchanged tree
+        then send no requests at all, and SEEK_DATA/SEEK_HOLE see holes.
+        """
         shard_of(volume)
         result: dict[str, Any] = await self._anchor(
-            {"op": "mount", "volume": volume, "directory": str(Path(directory).resolve())}
+            {
+                "op": "mount",
+                "volume": volume,
+                "directory": str(Path(directory).resolve()),
+                "writeback": writeback,
+            }
         )
         return result
 
