@@ -630,6 +630,9 @@ def start_bridge(
     finally:
         os.close(read_end)
     if signal_byte != b"1":
+        # The bridge closes the ready pipe before it reports why: let it finish first.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=30)
         bridge.stop()
         text = (runtime.parent / f"{mountpoint.name}.bridge.log").read_text()
         raise AssertionError(f"the bridge did not come up: {text}")
