@@ -540,10 +540,11 @@ def mount(
 @click.argument("directory", type=click.Path(file_okay=False))
 @runtime_dir_option
 @json_option
-def unmount(directory: str, runtime_dir: str | None, as_json: bool) -> None:
-    """Flush and detach the mount at DIRECTORY."""
+@click.option("--force", is_flag=True, help="Detach lazily even while processes use it.")
+def unmount(directory: str, runtime_dir: str | None, as_json: bool, force: bool) -> None:
+    """Flush and detach the mount at DIRECTORY (refused while in use, unless --force)."""
     with _client(runtime_dir) as client:
-        result = client.unmount(directory)
+        result = client.unmount(directory, force=force)
     if as_json:
         _echo_json(result)
     else:

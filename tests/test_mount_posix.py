@@ -187,3 +187,26 @@ def test_without_writeback_a_warm_tree_sends_no_requests(service: Service, tmp_p
                 os.close(fd)
         finally:
             client.unmount(where)
+
+
+def test_unmount_is_refused_while_in_use_unless_forced(service: Service, tmp_path: Path) -> None:
+    from slates.errors import InvalidArgument
+    from slates.node.anchor import is_mounted
+
+    with Client(service.runtime) as client:
+        volume = client.create_volume("busy")
+        where = tmp_path / "mnt"
+        where.mkdir()
+        client.mount(volume["id"], where)
+        handle = open(where / "held", "wb")  # noqa: SIM115 - held open on purpose
+        try:
+            with pytest.raises(InvalidArgument):
+                client.unmount(where)
+            assert is_mounted(str(where))
+            handle.write(b"still served")
+            handle.flush()
+        finally:
+            handle.close()
+        client.unmount(where)
+        assert not is_mounted(str(where))
+        assert client.read(volume["id"], "/held") == b"still served"

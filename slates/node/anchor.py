@@ -16,6 +16,8 @@ non-zero rather than spinning.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import math
 import os
 import select
@@ -60,6 +62,7 @@ __all__ = [
 MAX_RESTARTS = 20
 RESTART_WINDOW = 60.0
 _UCRED = struct.Struct("3i")
+_LIBC = ctypes.CDLL(None, use_errno=True)
 CONTROL_SECONDS = 2.0
 BRIDGE_START_SECONDS = 60.0
 JOURNAL_SIZE = 4 << 30  # virtual sizes: memfds are sparse
@@ -279,7 +282,10 @@ class Anchor:
                 directory = request.get("directory")
                 if not isinstance(directory, str):
                     raise InvalidArgument("unmount needs a directory")
-                return self._unmount(os.path.realpath(directory))
+                force = request.get("force", False)
+                if not isinstance(force, bool):
+                    raise InvalidArgument("force is true or false")
+                return self._unmount(os.path.realpath(directory), force=force)
             case _:
                 raise InvalidArgument("unknown control operation")
 
@@ -346,10 +352,19 @@ class Anchor:
         process.kill()
         return False
 
-    def _unmount(self, path: str) -> dict[str, object]:
-        mount = self.mounts.pop(path, None)
+    def _unmount(self, path: str, *, force: bool = True) -> dict[str, object]:
+        mount = self.mounts.get(path)
         if mount is None:
             raise NotFound("no Slates mount there", directory=path)
+        if not force and _LIBC.umount2(os.fsencode(path), 0) != 0:
+            error = ctypes.get_errno()
+            if error == errno.EBUSY:
+                raise InvalidArgument(
+                    "the mount is in use (a process has a file or directory open there); "
+                    "close it, or unmount with --force to detach it lazily",
+                    directory=path,
+                )
+        del self.mounts[path]
         mount.process.terminate()  # the bridge unmounts cleanly on SIGTERM
         try:
             mount.process.wait(timeout=30)

@@ -288,10 +288,22 @@ class Shard:
         watcher = Watcher(conn, client)
         self.watchers.setdefault(vid, set()).add(watcher)
         try:
-            while (message := await receive_frame(conn, reader)) is not None:
-                watcher.acknowledged(unpack(message))
+            # A watcher reconnecting after a restart may have missed changes:
+            # everything the kernel holds is refreshed once.
+            held = self.service.volumes[vid].held_inodes()
+            if held:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watcher.notify, [["inode", ino] for ino in held])
+                    nursery.start_soon(self._acks, conn, reader, watcher)
+                return
+            await self._acks(conn, reader, watcher)
         finally:
             self.watchers[vid].discard(watcher)
+
+    @staticmethod
+    async def _acks(conn: trio.socket.SocketType, reader: FrameReader, watcher: Watcher) -> None:
+        while (message := await receive_frame(conn, reader)) is not None:
+            watcher.acknowledged(unpack(message))
 
     def _check_peer(self, conn: trio.socket.SocketType) -> None:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)

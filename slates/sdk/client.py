@@ -320,12 +320,16 @@ class AsyncClient:
         )
         return result
 
-    async def unmount(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
-        """Flush and detach a mount."""
+    async def unmount(
+        self, directory: str | os.PathLike[str], *, force: bool = False
+    ) -> dict[str, Any]:
+        """Flush and detach a mount; refused while a process uses it, unless forced (lazy)."""
         path = str(Path(directory).resolve())
         with contextlib.suppress(OSError):
             await trio.to_thread.run_sync(_syncfs, path)
-        result: dict[str, Any] = await self._anchor({"op": "unmount", "directory": path})
+        result: dict[str, Any] = await self._anchor(
+            {"op": "unmount", "directory": path, "force": force}
+        )
         return result
 
     async def _barrier(self, volume: str) -> None:
