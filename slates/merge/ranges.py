@@ -231,10 +231,9 @@ def _before(accepted: Replace, edit: Replace) -> bool:
         return True
     if accepted.end > edit.start:
         return False
-    # accepted ends exactly where edit starts
-    if accepted.start == accepted.end and edit.start == edit.end:
-        return False  # two inserts at one point: a clash, not a shift
-    return True
+    # It ends exactly where the edit starts: a shift, unless both are inserts at
+    # that one point (a clash).
+    return not (accepted.start == accepted.end and edit.start == edit.end)
 
 
 def _deltas_between(accepted: Sequence[Replace], position: int, other: Replace) -> int:
