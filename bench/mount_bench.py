@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from slates import Client
-from slates.fuse.bridge import read_counters
+from slates.fuse.bridge import kernel_requests
 from slates.node.anchor import spawn_anchor
 
 __all__ = ["main"]
@@ -38,38 +38,14 @@ def _drop_caches() -> None:
 
 def _pass(where: Path, runtime: Path) -> tuple[float, int]:
     """One pass: (seconds, userspace requests the bridge received during it)."""
-    before = sum(_bridge_counters(runtime).get(op, 0) for op in _KERNEL_OPS)
+    before = kernel_requests(runtime)
     started = time.perf_counter()
     subprocess.run(
         "find . -type f -print0 | xargs -0 cat > /dev/null", shell=True, cwd=where, check=True
     )
     elapsed = time.perf_counter() - started
-    after = sum(_bridge_counters(runtime).get(op, 0) for op in _KERNEL_OPS)
+    after = kernel_requests(runtime)
     return elapsed, after - before
-
-
-_KERNEL_OPS = (
-    "LOOKUP",
-    "GETATTR",
-    "READ",
-    "READDIR",
-    "READDIRPLUS",
-    "OPEN",
-    "OPENDIR",
-    "FLUSH",
-    "RELEASE",
-    "RELEASEDIR",
-    "GETXATTR",
-    "STATX",
-)
-
-
-def _bridge_counters(runtime: Path) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for path in runtime.glob("counters-*"):
-        for key, value in read_counters(path).items():
-            total[key] = total.get(key, 0) + value
-    return total
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import pytest
 from slates.errors import SlatesError
 from slates.node.anchor import spawn_anchor
 
-__all__ = ["Service", "checkpointing_service", "service", "start_service"]
+__all__ = ["Service", "checkpointing_service", "service", "start_service", "stop_process"]
 
 
 class Service:
@@ -48,13 +48,18 @@ class Service:
         raise AssertionError(f"shard {index} was not restarted")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 20 s: every process a test starts ends."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def start_service(

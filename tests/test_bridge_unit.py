@@ -50,6 +50,7 @@ from slates.node.protocol import (
 )
 from slates.node.ring import RingPair
 from slates.node.runtime import AnchorState, Runtime, ShardInfo
+from tests.anchor_fixture import stop_process
 
 VOLUME = "vol-0-1"
 
@@ -582,13 +583,7 @@ class MountedBridge:
         return read_counters(self.counters)
 
     def stop(self) -> int | None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         if _mounted(self.mountpoint):
             subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False)
         return self.process.returncode

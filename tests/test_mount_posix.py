@@ -14,6 +14,7 @@ import pytest
 
 from slates import Client
 from slates.errors import SnapshotBarrierFailed
+from slates.fuse.bridge import kernel_requests
 from tests.anchor_fixture import Service, service
 from tests.test_mount import mounted
 
@@ -131,28 +132,6 @@ def test_a_bridge_that_cannot_finish_fails_the_snapshot(
             assert client.status()["shards"][volume["shard"]]["snapshots"] == []
 
 
-def _requests(runtime: Path) -> int:
-    from slates.fuse.bridge import read_counters
-
-    kernel_ops = (
-        "LOOKUP",
-        "GETATTR",
-        "READ",
-        "READDIR",
-        "READDIRPLUS",
-        "OPEN",
-        "OPENDIR",
-        "FLUSH",
-        "RELEASE",
-        "GETXATTR",
-        "STATX",
-        "ACCESS",
-    )
-    return sum(
-        read_counters(path).get(op, 0) for path in runtime.glob("counters-*") for op in kernel_ops
-    )
-
-
 def test_without_writeback_a_warm_tree_sends_no_requests(service: Service, tmp_path: Path) -> None:
     base = tmp_path / "tree"
     for d in range(5):
@@ -167,14 +146,14 @@ def test_without_writeback_a_warm_tree_sends_no_requests(service: Service, tmp_p
         try:
             passes = []
             for _ in range(4):
-                before = _requests(service.runtime)
+                before = kernel_requests(service.runtime)
                 subprocess.run(
                     "find . -type f -print0 | xargs -0 cat > /dev/null",
                     shell=True,
                     cwd=where,
                     check=True,
                 )
-                passes.append(_requests(service.runtime) - before)
+                passes.append(kernel_requests(service.runtime) - before)
             assert passes[0] > 0
             assert passes[3] == 0, f"requests per pass: {passes}"
             # Without the writeback cache the shard sees every write, so holes are precise.

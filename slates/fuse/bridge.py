@@ -100,6 +100,8 @@ __all__ = [
     "STATS",
     "Bridge",
     "check_mountpoint",
+    "kernel_requests",
+    "KERNEL_OPS",
     "hello",
     "main",
     "read_counters",
@@ -189,6 +191,32 @@ def read_counters(path: str | os.PathLike[str]) -> dict[str, int]:
     for slot, name in STATS.items():
         out[name] = values[slot]
     return out
+
+
+KERNEL_OPS = (
+    "LOOKUP",
+    "GETATTR",
+    "READ",
+    "READDIR",
+    "READDIRPLUS",
+    "OPEN",
+    "OPENDIR",
+    "FLUSH",
+    "RELEASE",
+    "RELEASEDIR",
+    "GETXATTR",
+    "STATX",
+    "ACCESS",
+)
+
+
+def kernel_requests(runtime_dir: str | os.PathLike[str]) -> int:
+    """Requests the kernel sent every bridge of a runtime directory (their counter files)."""
+    return sum(
+        read_counters(path).get(op, 0)
+        for path in Path(runtime_dir).glob("counters-*")
+        for op in KERNEL_OPS
+    )
 
 
 def check_mountpoint(path: str | os.PathLike[str]) -> Path:
