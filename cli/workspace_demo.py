@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 from slates import Client
 from slates.errors import SlatesError
-from slates.node.anchor import spawn_anchor
+from slates.node.anchor import spawn_anchor, stop_process
 
 __all__ = ["run_workspace_demo"]
 
@@ -107,11 +106,6 @@ def run_workspace_demo() -> dict[str, Any]:
         result["image_conf_on_disk"] = (project / "image.conf").read_text()
         result["project_unchanged"] = _digest(project) == before
     finally:
-        anchor.send_signal(signal.SIGTERM)
-        try:
-            anchor.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            anchor.kill()
-            anchor.wait()
+        stop_process(anchor, timeout=30)
         shutil.rmtree(top, ignore_errors=True)
     return result

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from slates.errors import SlatesError
-from slates.node.anchor import spawn_anchor
+from slates.node.anchor import spawn_anchor, stop_process
 
 __all__ = ["Service", "checkpointing_service", "service", "start_service", "stop_process"]
 
@@ -49,17 +49,6 @@ class Service:
 
     def stop(self) -> None:
         stop_process(self.process)
-
-
-def stop_process(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL after 20 s: every process a test starts ends."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def start_service(

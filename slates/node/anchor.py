@@ -57,6 +57,7 @@ __all__ = [
     "run_anchor",
     "is_mounted",
     "spawn_anchor",
+    "stop_process",
 ]
 
 MAX_RESTARTS = 20
@@ -512,3 +513,14 @@ def spawn_anchor(
             raise SlatesError("the anchor did not start", runtime_dir=str(runtime))
         time.sleep(0.02)
     return process
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    """SIGTERM, then SIGKILL after `timeout` seconds; returns once it has exited."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
