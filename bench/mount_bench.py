@@ -64,34 +64,47 @@ def main() -> None:
             client.mount(volume["id"], mnt)
             try:
                 rows = []
-                requests: list[tuple[int, int]] = []
+                requests: list[tuple[int, int, int]] = []
                 for label, where in (("plain directory", source), ("slates mount", mnt)):
-                    cold, warm = [], []
+                    cold, warm, steady = [], [], []
                     for _ in range(args.rounds):
                         _drop_caches()
                         cold_s, cold_n = _pass(where, runtime)
                         warm_s, warm_n = _pass(where, runtime)
+                        steady_s, steady_n = _pass(where, runtime)
                         cold.append(cold_s)
                         warm.append(warm_s)
+                        steady.append(steady_s)
                         if where == mnt:
-                            requests.append((cold_n, warm_n))
-                    rows.append((label, statistics.median(cold), statistics.median(warm)))
+                            requests.append((cold_n, warm_n, steady_n))
+                    rows.append(
+                        (
+                            label,
+                            statistics.median(cold),
+                            statistics.median(warm),
+                            statistics.median(steady),
+                        )
+                    )
             finally:
                 client.unmount(mnt)
     finally:
         anchor.terminate()
         anchor.wait()
         shutil.rmtree(top, ignore_errors=True)
-    base_cold, base_warm = rows[0][1], rows[0][2]
-    print(f"{args.files} files, median of {args.rounds} rounds (cold: page cache dropped)")
-    print(f"{'':18} {'cold s':>8} {'warm s':>8} {'cold x':>8} {'warm x':>8}")
-    for label, cold_s, warm_s in rows:
+    base = rows[0][1:]
+    print(f"{args.files} files, median of {args.rounds} rounds (cold: page cache dropped;")
+    print("warm: the pass after it; steady: the pass after that)")
+    header = ("cold s", "warm s", "steady s", "cold x", "warm x", "steady x")
+    print(f"{'':18}" + "".join(f"{h:>10}" for h in header))
+    for label, *times in rows:
+        ratios = [t / b for t, b in zip(times, base, strict=True)]
         print(
-            f"{label:18} {cold_s:8.3f} {warm_s:8.3f} {cold_s / base_cold:8.2f} "
-            f"{warm_s / base_warm:8.2f}"
+            f"{label:18}"
+            + "".join(f"{v:10.3f}" for v in times)
+            + "".join(f"{r:10.2f}" for r in ratios)
         )
     print("x = time / plain directory time")
-    print("userspace requests per Slates pass (cold, warm):", requests)
+    print("userspace requests per Slates pass (cold, warm, steady):", requests)
 
 
 if __name__ == "__main__":

@@ -518,8 +518,9 @@ def ls(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) -> No
 @json_option
 @click.option(
     "--writeback/--no-writeback",
-    default=True,
-    help="Kernel writeback cache (default on); off: every later warm read pass sends nothing.",
+    default=False,
+    help="Kernel writeback cache (default off): fewer write requests, but only for volumes "
+    "that no other client changes.",
 )
 def mount(
     volume_ref: str, directory: str, runtime_dir: str | None, as_json: bool, writeback: bool

@@ -48,9 +48,9 @@ def _digest(root: Path) -> dict[str, tuple[object, ...]]:
 
 
 @contextlib.contextmanager
-def mounted(client: Client, volume: str, where: Path) -> Iterator[Path]:
+def mounted(client: Client, volume: str, where: Path, *, writeback: bool = False) -> Iterator[Path]:
     where.mkdir(parents=True, exist_ok=True)
-    client.mount(volume, where)
+    client.mount(volume, where, writeback=writeback)
     try:
         yield where
     finally:
@@ -380,15 +380,17 @@ def _observe(root: Path) -> dict[str, tuple[object, ...]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def differential(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Client, str, Path]]:
+@pytest.fixture(scope="module", params=[False, True], ids=["write-through", "writeback"])
+def differential(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[Client, str, Path]]:
     runtime = tmp_path_factory.mktemp("diff") / "run"
     running = start_service(runtime, shards=1)
     client = Client(runtime)
     where = tmp_path_factory.mktemp("diffmnt")
     try:
         volume = client.create_volume("diff")
-        client.mount(volume["id"], where)
+        client.mount(volume["id"], where, writeback=request.param)
         yield client, volume["id"], where
     finally:
         with contextlib.suppress(Exception):
@@ -448,3 +450,13 @@ def test_changes_by_other_clients_reach_the_mount_at_once(service: Service, tmp_
             assert (mnt / "dir" / "moved").read_bytes() == b"new"
             client.unlink(vid, "/conf")
             assert sorted(os.listdir(mnt)) == ["dir"]
+
+
+def test_an_sdk_edit_moves_bytes_under_a_mount(service: Service, tmp_path: Path) -> None:
+    with Client(service.runtime) as client:
+        vid = client.create_volume("edit-view")["id"]
+        client.edit(vid, "/image.conf", 0, 0, b"quality=80\n")
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            assert (mnt / "image.conf").read_bytes() == b"quality=80\n"
+            client.edit(vid, "/image.conf", 0, 0, b"format=webp\n")
+            assert (mnt / "image.conf").read_bytes() == b"format=webp\nquality=80\n"

@@ -60,10 +60,8 @@ def test_posix_surface_through_a_mount(service: Service, tmp_path: Path) -> None
             fd = os.open(mnt / "sparse", os.O_CREAT | os.O_RDWR, 0o644)
             try:
                 os.pwrite(fd, b"x" * 8192, 1 << 20)
-                # Cached writes the shard has not seen must never look like holes:
-                # with the writeback cache the kernel answers from its own size.
-                assert os.lseek(fd, 0, os.SEEK_DATA) == 0
-                assert os.lseek(fd, 0, os.SEEK_HOLE) == (1 << 20) + 8192
+                assert os.lseek(fd, 0, os.SEEK_DATA) == 1 << 20
+                assert os.lseek(fd, 1 << 20, os.SEEK_HOLE) == (1 << 20) + 8192
                 fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, 1 << 20, 4096)
                 assert os.pread(fd, 4096, 1 << 20) == bytes(4096)
                 assert os.pread(fd, 4, (1 << 20) + 4096) == b"xxxx"
@@ -110,6 +108,28 @@ def test_posix_surface_through_a_mount(service: Service, tmp_path: Path) -> None
             assert os.stat(mnt / "src").st_nlink == 2
 
 
+def test_with_writeback_cached_writes_never_look_like_holes(
+    service: Service, tmp_path: Path
+) -> None:
+    with Client(service.runtime) as client:
+        volume = client.create_volume("wb")
+        where = tmp_path / "mnt"
+        where.mkdir()
+        client.mount(volume["id"], where, writeback=True)
+        try:
+            fd = os.open(where / "sparse", os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                os.pwrite(fd, b"x" * 8192, 1 << 20)
+                # The shard may not have these bytes yet: the kernel answers from its
+                # own size (all data), never a hole over cached writes.
+                assert os.lseek(fd, 0, os.SEEK_DATA) == 0
+                assert os.lseek(fd, 0, os.SEEK_HOLE) == (1 << 20) + 8192
+            finally:
+                os.close(fd)
+        finally:
+            client.unmount(where)
+
+
 def test_a_bridge_that_cannot_finish_fails_the_snapshot(
     service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -118,7 +138,7 @@ def test_a_bridge_that_cannot_finish_fails_the_snapshot(
     monkeypatch.setattr(sdk, "BARRIER_SECONDS", 2.0)
     with Client(service.runtime) as client:
         volume = client.create_volume("stuck")
-        with mounted(client, volume["id"], tmp_path / "mnt") as mnt:
+        with mounted(client, volume["id"], tmp_path / "mnt", writeback=True) as mnt:
             bridge = client.status()["mounts"][0]["pid"]
             fd = os.open(mnt / "dirty", os.O_CREAT | os.O_WRONLY, 0o644)
             os.write(fd, b"cached, not yet written back")
@@ -142,7 +162,7 @@ def test_without_writeback_a_warm_tree_sends_no_requests(service: Service, tmp_p
         volume = client.create_volume("warm", base=base)
         where = tmp_path / "mnt"
         where.mkdir()
-        client.mount(volume["id"], where, writeback=False)
+        client.mount(volume["id"], where)  # no writeback: the default
         try:
             passes = []
             for _ in range(4):

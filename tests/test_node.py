@@ -470,3 +470,16 @@ def test_refused_and_broken_volumes_never_take_a_shard_down(
         client.write(keep["id"], "/big", big)
         assert client.read(keep["id"], "/big") == big
         assert all(s["restarts"] == 1 for s in client.status()["shards"])
+
+
+def test_edit_inserts_replaces_and_deletes_byte_ranges(service: Service) -> None:
+    with Client(service.runtime) as client:
+        volume = client.create_volume("edits")["id"]
+        assert client.edit(volume, "/image.conf", 0, 0, b"quality=80\ncache=off\n") == 21
+        client.edit(volume, "/image.conf", 0, 0, b"format=webp\n")  # an insert moves the rest
+        client.edit(volume, "/image.conf", 20, 22, b"90")
+        client.edit(volume, "/image.conf", 23, 33, b"")  # a delete
+        assert client.read(volume, "/image.conf") == b"format=webp\nquality=90\n"
+        with pytest.raises(InvalidArgument):
+            client.edit(volume, "/image.conf", 5, 500, b"x")  # beyond the end: nothing changes
+        assert client.read(volume, "/image.conf") == b"format=webp\nquality=90\n"

@@ -435,6 +435,25 @@ class VolumeMachine(RuleBasedStateMachine):
         else:
             node.data.extend(bytes(size - len(node.data)))
 
+    @rule(
+        data=st.data(),
+        start=OFFSETS,
+        length=st.integers(0, 2 * PAGE),
+        payload=st.binary(max_size=PAGE + 9),
+    )
+    def splice(self, data: st.DataObject, start: int, length: int, payload: bytes) -> None:
+        space = self._space(data)
+        target = self._file(data, space)
+        if target is None:
+            return
+        node = space.model.nodes[target[0]]
+        start = min(start, len(node.data))
+        end = min(start + length, len(node.data))
+        t = self._tick()
+        assert space.volume.splice(target[1], start, end, payload, time_ns=t) == len(payload)
+        node.data[start:end] = payload
+        assert space.volume.getattr(target[1]).mtime_ns == t
+
     @rule(data=st.data(), offset=OFFSETS, length=st.integers(0, 4 * PAGE))
     def punch_hole(self, data: st.DataObject, offset: int, length: int) -> None:
         space = self._space(data)

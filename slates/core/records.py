@@ -41,6 +41,7 @@ __all__ = [
     "Write",
     "Truncate",
     "PunchHole",
+    "Splice",
     "ShareRange",
     "SetAttr",
     "SetXattr",
@@ -241,6 +242,17 @@ class Write(Record):
 class Truncate(Record):
     ino: int
     size: int
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Splice(Record):
+    """Replace bytes [start, end) with `data`, moving what follows: an edit, not a write."""
+
+    ino: int
+    start: int
+    end: int
+    data: bytes
     time_ns: int
 
 

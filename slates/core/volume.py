@@ -93,6 +93,7 @@ from slates.core.records import (
     SetAttr,
     SetXattr,
     ShareRange,
+    Splice,
     Symlink,
     TakeSnapshot,
     Truncate,
@@ -634,6 +635,8 @@ class Volume:
             case PunchHole():
                 result = None
                 self._punch_hole(txn, record)
+            case Splice():
+                result = self._splice(txn, record)
             case ShareRange():
                 result = self._share_range(txn, record)
             case SetAttr():
@@ -1223,6 +1226,34 @@ class Volume:
 
     # -- seal, snapshot -------------------------------------------------------
 
+    def _chunks_of(self, data: bytes | bytearray, start: int) -> tuple[list[ChunkSpan], int, int]:
+        """`data` stored as chunks placed at file offset `start`: (spans, new, shared)."""
+        spans: list[ChunkSpan] = []
+        new_count = shared_count = 0
+        for lo in range(0, len(data), CHUNK_SIZE):
+            piece = data[lo : lo + CHUNK_SIZE]
+            chunk_id, new = self.host.put_chunk(piece)
+            new_count += new
+            shared_count += not new
+            spans.append(ChunkSpan(start + lo, len(piece), chunk_id, 0, self.root.epoch))
+        return spans, new_count, shared_count
+
+    def _sealed(self, body: FileBody) -> tuple[tuple[Extent, ...], int, int, int]:
+        """The file's extents with every page span sealed: (extents, new, shared, bytes)."""
+        extents: list[Extent] = []
+        chunks_new = chunks_shared = sealed = 0
+        for extent in body.extents:
+            if not isinstance(extent, PageSpan):
+                extents.append(extent)
+                continue
+            end = min(extent.start + extent.length, body.size)
+            buffer = self._buffers[extent.buffer_id]
+            spans, new, shared = self._chunks_of(buffer[: max(0, end - extent.start)], extent.start)
+            extents += spans
+            chunks_new, chunks_shared = chunks_new + new, chunks_shared + shared
+            sealed += max(0, end - extent.start)
+        return tuple(extents), chunks_new, chunks_shared, sealed
+
     def _seal(self) -> SealReport:
         txn = _Txn(self.root)
         files = chunks_new = chunks_shared = sealed = 0
@@ -1230,27 +1261,44 @@ class Volume:
             inode = txn.get(ino)
             body = inode.body
             assert isinstance(body, FileBody)
-            extents: list[Extent] = []
-            for extent in body.extents:
-                if not isinstance(extent, PageSpan):
-                    extents.append(extent)
-                    continue
-                buffer = self._buffers[extent.buffer_id]
-                end = min(extent.start + extent.length, body.size)
-                for lo in range(extent.start, end, CHUNK_SIZE):
-                    hi = min(lo + CHUNK_SIZE, end)
-                    piece = buffer[lo - extent.start : hi - extent.start]
-                    chunk_id, new = self.host.put_chunk(piece)
-                    chunks_new += new
-                    chunks_shared += not new
-                    sealed += hi - lo
-                    extents.append(ChunkSpan(lo, hi - lo, chunk_id, 0, self.root.epoch))
+            extents, new, shared, nbytes = self._sealed(body)
             files += 1
-            txn.put(
-                dataclasses.replace(inode, body=dataclasses.replace(body, extents=tuple(extents)))
+            chunks_new, chunks_shared, sealed = (
+                chunks_new + new,
+                chunks_shared + shared,
+                (sealed + nbytes),
             )
+            txn.put(dataclasses.replace(inode, body=dataclasses.replace(body, extents=extents)))
         self._commit(txn)
         return SealReport(files, chunks_new, chunks_shared, sealed)
+
+    def _splice(self, txn: _Txn, r: Splice) -> int:
+        inode = txn.file(r.ino)
+        body = inode.body
+        assert isinstance(body, FileBody)
+        _check_count(r.start, "start")
+        _check_count(r.end, "end")
+        if not r.start <= r.end <= body.size:
+            raise InvalidArgument(
+                "the range must lie in the file", start=r.start, end=r.end, size=body.size
+            )
+        delta = len(r.data) - (r.end - r.start)
+        if body.size + delta > MAX_FILE_SIZE:
+            raise FileTooLarge("the edit makes the file too large")
+        self.host.admit(self, len(r.data))
+        # Every check has passed.  Content after the edit moves by `delta`, which
+        # page spans (page-aligned by invariant) cannot: the file is sealed first.
+        extents, _new, _shared, _bytes = self._sealed(body)
+        left = [piece for e in overlapping(extents, 0, r.start) if (piece := trim(e, 0, r.start))]
+        right = [
+            dataclasses.replace(piece, start=piece.start + delta)
+            for e in overlapping(extents, r.end, body.size)
+            if (piece := trim(e, r.end, body.size))
+        ]
+        middle, _new, _shared = self._chunks_of(r.data, r.start)
+        body = dataclasses.replace(body, size=body.size + delta, extents=(*left, *middle, *right))
+        txn.put(dataclasses.replace(inode, body=body, mtime_ns=r.time_ns, ctime_ns=r.time_ns))
+        return len(r.data)
 
     def _snapshot(self, r: TakeSnapshot) -> Snapshot:
         if not isinstance(r.snapshot_id, str) or not r.snapshot_id:
@@ -1558,6 +1606,12 @@ class Volume:
 
     def truncate(self, ino: int, size: int, *, time_ns: int = 0) -> None:
         self.apply(Truncate(ino, size, time_ns))
+
+    def splice(self, ino: int, start: int, end: int, data: bytes, *, time_ns: int = 0) -> int:
+        """Replace [start, end) with `data`, moving what follows (insert, delete, replace)."""
+        result = self.apply(Splice(ino, start, end, bytes(data), time_ns))
+        assert isinstance(result, int)
+        return result
 
     def punch_hole(self, ino: int, offset: int, length: int, *, time_ns: int = 0) -> None:
         """Make [offset, offset+length) read as zeros; whole pages stop being stored."""

@@ -275,7 +275,7 @@ class Anchor:
                 volume, directory = request.get("volume"), request.get("directory")
                 if not isinstance(volume, str) or not isinstance(directory, str):
                     raise InvalidArgument("mount needs a volume and a directory")
-                writeback = request.get("writeback", True)
+                writeback = request.get("writeback", False)
                 if not isinstance(writeback, bool):
                     raise InvalidArgument("writeback is true or false")
                 return self._mount(volume, directory, uid, writeback)
@@ -291,7 +291,7 @@ class Anchor:
                 raise InvalidArgument("unknown control operation")
 
     def _mount(
-        self, volume: str, directory: str, uid: int, writeback: bool = True
+        self, volume: str, directory: str, uid: int, writeback: bool = False
     ) -> dict[str, object]:
         path = os.path.realpath(directory)
         try:

@@ -280,6 +280,8 @@ class ShardService:
                 return volume.readlink(volume.resolve(_path_arg(args)))
             case "write":
                 return self._write(volume, args, now)
+            case "edit":
+                return self._edit(volume, args, now)
             case "truncate":
                 volume.truncate(
                     volume.resolve(_path_arg(args)), _int_arg(args, "size"), time_ns=now
@@ -334,6 +336,21 @@ class ShardService:
             volume.truncate(ino, 0, time_ns=now)
         written = volume.write(ino, _int_arg(args, "offset", 0), data, time_ns=now)
         return {"written": written, "ino": ino}
+
+    def _edit(self, volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
+        """Replace [start, end) of a file with data (creating the file when absent)."""
+        path = _path_arg(args)
+        data = args.get("data")
+        if not isinstance(data, bytes):
+            raise InvalidArgument("data must be bytes")
+        parent, name = self._parent(volume, path)
+        try:
+            ino = volume.lookup(parent, name).ino
+        except NotFound:
+            ino = volume.create(parent, name, 0o644, time_ns=now).ino
+        start, end = _int_arg(args, "start"), _int_arg(args, "end")
+        volume.splice(ino, start, end, data, time_ns=now)
+        return {"size": volume.getattr(ino).size}
 
     def _create_volume(self, args: dict[str, Any], now: int) -> dict[str, Any]:
         name = _str_arg(args, "name")

@@ -46,6 +46,7 @@ from slates.core.records import (
     SetAttr,
     SetXattr,
     ShareRange,
+    Splice,
     Symlink,
     Truncate,
     Unlink,
@@ -383,7 +384,9 @@ def invalidations(events: list[Any]) -> dict[str, list[list[Any]]]:
         match decode(event[2]):
             case Write(ino=ino) | Truncate(ino=ino) | PunchHole(ino=ino) | SetAttr(ino=ino):
                 notes.append(["inode", ino])
-            case SetXattr(ino=ino) | RemoveXattr(ino=ino) | ShareRange(dst_ino=ino):
+            case (
+                SetXattr(ino=ino) | RemoveXattr(ino=ino) | ShareRange(dst_ino=ino) | Splice(ino=ino)
+            ):
                 notes.append(["inode", ino])
             case Create(parent=p, name=n) | Mkdir(parent=p, name=n) | Symlink(parent=p, name=n):
                 notes += [["entry", p, n], ["inode", p]]

@@ -300,14 +300,16 @@ class AsyncClient:
         return check_ok(unpack(payload)).get("result")
 
     async def mount(
-        self, volume: str, directory: str | os.PathLike[str], *, writeback: bool = True
+        self, volume: str, directory: str | os.PathLike[str], *, writeback: bool = False
     ) -> dict[str, Any]:
         """Serve a volume at an empty directory you own (returns once it serves).
 
-        writeback=True lets the kernel gather writes (fewer, larger requests);
-        False sends each write through at once, which keeps the kernel's
-        attributes valid across closes: repeated reads of an unchanged tree
-        then send no requests at all, and SEEK_DATA/SEEK_HOLE see holes.
+        By default every write goes through to the shard at once: the kernel's
+        attributes stay valid across closes (warm rereads send no requests),
+        SEEK_DATA/SEEK_HOLE see holes, and changes other clients make, size
+        included, reach the mount.  writeback=True lets the kernel gather
+        writes (fewer, larger requests) but, as FUSE's writeback cache keeps
+        the file size to itself, is for volumes only this mount changes.
         """
         shard_of(volume)
         result: dict[str, Any] = await self._anchor(
@@ -456,6 +458,17 @@ class AsyncClient:
             create=create,
         )
         return int(result["written"])
+
+    async def edit(self, volume: str, path: str, start: int, end: int, data: bytes) -> int:
+        """Replace bytes [start, end) of a file with `data`, moving what follows.
+
+        An insert is start == end, a delete has empty data; the file is
+        created when absent.  Returns the file's new size.
+        """
+        result = await self._on(
+            volume, "edit", volume=volume, path=path, start=start, end=end, data=bytes(data)
+        )
+        return int(result["size"])
 
     async def truncate(self, volume: str, path: str, size: int) -> None:
         await self._on(volume, "truncate", volume=volume, path=path, size=size)
