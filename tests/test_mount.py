@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from slates import Client
@@ -295,6 +295,7 @@ OPS = st.one_of(
     st.tuples(st.just("pwrite"), st.integers(0, 3), st.integers(0, 5000), st.binary(max_size=300)),
     st.tuples(st.just("pread"), st.integers(0, 3), st.integers(0, 6000)),
     st.tuples(st.just("fsync"), st.integers(0, 3)),
+    st.tuples(st.just("ftruncate"), st.integers(0, 3), st.integers(0, 9000)),
 )
 
 
@@ -348,6 +349,10 @@ def _apply(root: Path, op: tuple[object, ...], fds: list[int]) -> object:
                 return os.pwrite(fds[index], data, offset) if index < len(fds) else None
             case ("pread", int(index), int(offset)):
                 return os.pread(fds[index], 4096, offset) if index < len(fds) else None
+            case ("ftruncate", int(index), int(size)):
+                if index < len(fds):
+                    os.ftruncate(fds[index], size)
+                return None
             case ("fsync", int(index)):
                 if index < len(fds):
                     os.fsync(fds[index])
@@ -403,6 +408,8 @@ def differential(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(OPS, max_size=30))
+@example(ops=[("open", "a"), ("utime", "a", 0), ("truncate", "a", 0)])  # found by CI
+@example(ops=[("open", "a"), ("utime", "a", 0), ("ftruncate", 0, 0)])
 def test_mount_matches_tmpfs(
     differential: tuple[Client, str, Path], ops: list[tuple[object, ...]]
 ) -> None:
@@ -460,3 +467,32 @@ def test_an_sdk_edit_moves_bytes_under_a_mount(service: Service, tmp_path: Path)
             assert (mnt / "image.conf").read_bytes() == b"quality=80\n"
             client.edit(vid, "/image.conf", 0, 0, b"format=webp\n")
             assert (mnt / "image.conf").read_bytes() == b"format=webp\nquality=80\n"
+
+
+def test_base_drift_reaches_programs_as_eio_and_drops_stale_pages(
+    service: Service, tmp_path: Path
+) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "big.bin").write_bytes(b"a" * (16 << 20))
+    with Client(service.runtime) as client:
+        vid = client.create_volume("drift", base=base)["id"]
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            with open(mnt / "big.bin", "rb") as f:
+                assert f.read(4096) == b"a" * 4096  # now cached by the kernel
+            (base / "big.bin").write_bytes(b"b" * (16 << 20))  # the live base changes
+            with open(mnt / "big.bin", "rb") as f:
+                f.seek(15 << 20)
+                with pytest.raises(OSError) as drift:
+                    f.read(4096)  # not cached: the shard sees the drift
+            assert drift.value.errno == errno.EIO
+            deadline = time.monotonic() + 30
+            while True:  # the invalidation follows the error; old pages must go
+                try:
+                    with open(mnt / "big.bin", "rb") as f:
+                        f.read(4096)
+                except OSError as exc:
+                    assert exc.errno == errno.EIO
+                    break
+                assert time.monotonic() < deadline, "stale pages outlived the drift"
+                time.sleep(0.05)

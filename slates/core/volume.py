@@ -1141,6 +1141,10 @@ class Volume:
         _check_count(r.size, "size")
         if r.size > MAX_FILE_SIZE:
             raise FileTooLarge("size beyond the maximum file size", size=r.size)
+        if r.size == body.size:
+            # truncate(2) to the same size changes nothing, times included (as tmpfs);
+            # ftruncate and O_TRUNC also set the times, which reach us as SetAttr.
+            return
         extents = body.extents
         if r.size < body.size:
             kept: list[Extent] = []

@@ -118,6 +118,8 @@ class Shard:
         self.connections = 0
         self.watchers: dict[str, set[Watcher]] = {}
         self.pending: dict[str, list[list[Any]]] = {}
+        self.drifted: dict[str, list[list[Any]]] = {}
+        self.background: trio.Nursery | None = None
 
     # -- recovery and commits -------------------------------------------------
 
@@ -173,6 +175,17 @@ class Shard:
         self.service.collect_garbage()
         for vid, notes in invalidations(events).items():
             self.pending.setdefault(vid, []).extend(notes)
+        error = reply.get("error")
+        if (
+            request.op == "fs.read"
+            and isinstance(error, dict)
+            and error.get("code") == "BaseDrift"
+            and isinstance(request.args.get("volume"), str)
+            and isinstance(request.args.get("ino"), int)
+        ):
+            # Pages cached from before the drift must not mix with errors after it.
+            vid, ino = request.args["volume"], request.args["ino"]
+            self.drifted.setdefault(vid, []).append(["inode", ino])
         packed = pack(reply)
         if len(packed) > MAX_FRAME - 1024:
             too_large = InvalidArgument("the reply is too large; ask for less", size=len(packed))
@@ -191,11 +204,19 @@ class Shard:
             for watcher in list(self.watchers.get(vid, ())):
                 if watcher.client != client:
                     await watcher.notify(notes)
+        drifted, self.drifted = self.drifted, {}
+        for vid, notes in drifted.items():
+            for watcher in list(self.watchers.get(vid, ())):
+                # Every mount, the reader's own included; not awaited, since that
+                # bridge is waiting for this reply before it can answer anything.
+                if self.background is not None:
+                    self.background.start_soon(watcher.notify, notes)
 
     # -- connections ----------------------------------------------------------
 
     async def serve(self, listener: trio.socket.SocketType) -> None:
         async with trio.open_nursery() as nursery:
+            self.background = nursery
             while True:
                 conn, _address = await listener.accept()
                 if self.connections >= MAX_CONNECTIONS:
