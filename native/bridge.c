@@ -277,8 +277,8 @@ static void kv_bin(const char *key, const void *p, size_t n)
     msgpack_pack_bin_body(&g.pk, p, n);
 }
 
-/* Start {"seq", "ack", "op", "args": {"volume", ...nargs more}}. */
-static void req_begin(const char *op, uint32_t nargs)
+/* Start {"seq", "ack", "op", "args": ...}, up to the args' value. */
+static void envelope_begin(const char *op)
 {
     codec_init();
     msgpack_sbuffer_clear(&g.sbuf);
@@ -292,6 +292,12 @@ static void req_begin(const char *op, uint32_t nargs)
     pack_cstr("op");
     pack_cstr(op);
     pack_cstr("args");
+}
+
+/* Start {"seq", "ack", "op", "args": {"volume", ...nargs more}}. */
+static void req_begin(const char *op, uint32_t nargs)
+{
+    envelope_begin(op);
     msgpack_pack_map(&g.pk, nargs + 1);
     pack_cstr("volume");
     pack_cstr(g.volume);
@@ -925,16 +931,7 @@ static int call(const msgpack_object **result)
 int bridge_request(const char *op, const uint8_t *args, uint32_t args_len, uint8_t *out,
                    uint32_t cap)
 {
-    codec_init();
-    msgpack_sbuffer_clear(&g.sbuf);
-    g.cur_seq = g.next_seq++;
-    g.cur_op = op;
-    msgpack_pack_map(&g.pk, 4);
-    kv_u64("seq", g.cur_seq);
-    kv_u64("ack", g.cur_seq - 1);
-    pack_cstr("op");
-    pack_cstr(op);
-    pack_cstr("args");
+    envelope_begin(op);
     msgpack_sbuffer_write(&g.sbuf, (const char *)args, args_len);
     const msgpack_object *result;
     (void)call(&result);

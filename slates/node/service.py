@@ -318,7 +318,8 @@ class ShardService:
             raise InvalidArgument("the root has no parent", path=path)
         return volume.resolve(head), name
 
-    def _write(self, volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
+    def _file_and_data(self, volume: Volume, args: dict[str, Any], now: int) -> tuple[int, bytes]:
+        """The file at args' path (created when absent, unless create is false) and args' data."""
         path = _path_arg(args)
         data = args.get("data")
         if not isinstance(data, bytes):
@@ -332,6 +333,10 @@ class ShardService:
             ino = volume.create(parent, name, _int_arg(args, "mode", 0o644), time_ns=now).ino
         if volume.getattr(ino).kind == Kind.DIR:
             raise IsADirectory("is a directory", path=path)
+        return ino, data
+
+    def _write(self, volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
+        ino, data = self._file_and_data(volume, args, now)
         if args.get("truncate", False):
             volume.truncate(ino, 0, time_ns=now)
         written = volume.write(ino, _int_arg(args, "offset", 0), data, time_ns=now)
@@ -339,17 +344,8 @@ class ShardService:
 
     def _edit(self, volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
         """Replace [start, end) of a file with data (creating the file when absent)."""
-        path = _path_arg(args)
-        data = args.get("data")
-        if not isinstance(data, bytes):
-            raise InvalidArgument("data must be bytes")
-        parent, name = self._parent(volume, path)
-        try:
-            ino = volume.lookup(parent, name).ino
-        except NotFound:
-            ino = volume.create(parent, name, 0o644, time_ns=now).ino
-        start, end = _int_arg(args, "start"), _int_arg(args, "end")
-        volume.splice(ino, start, end, data, time_ns=now)
+        ino, data = self._file_and_data(volume, args, now)
+        volume.splice(ino, _int_arg(args, "start"), _int_arg(args, "end"), data, time_ns=now)
         return {"size": volume.getattr(ino).size}
 
     def _create_volume(self, args: dict[str, Any], now: int) -> dict[str, Any]:
