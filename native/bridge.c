@@ -1239,12 +1239,7 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
 static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set,
                        struct fuse_file_info *fi)
 {
-    /* ftruncate (a size change through an open file) marks the times even when
-     * the size stays (as tmpfs does); truncate(2) arrives without a file and
-     * changes them only with the size, which the shard decides. */
-    if (fi != NULL && (to_set & FUSE_SET_ATTR_SIZE) &&
-        !(to_set & (FUSE_SET_ATTR_MTIME | FUSE_SET_ATTR_MTIME_NOW)))
-        to_set |= FUSE_SET_ATTR_MTIME_NOW;
+    (void)fi;
     const msgpack_object *res;
     struct stat st;
     enc_setattr(ino, attr, to_set);

@@ -209,3 +209,39 @@ def test_unmount_is_refused_while_in_use_unless_forced(service: Service, tmp_pat
         client.unmount(where)
         assert not is_mounted(str(where))
         assert client.read(volume["id"], "/held") == b"still served"
+
+
+def test_unmount_while_the_shard_is_down_does_not_stall_supervision(
+    service: Service, tmp_path: Path
+) -> None:
+    import threading
+
+    with Client(service.runtime) as client:
+        volume = client.create_volume("stall")
+        where = tmp_path / "mnt"
+        where.mkdir()
+        client.mount(volume["id"], where)
+        (where / "f").write_bytes(b"data")
+        pid = service.shard_pids()[volume["shard"]]
+        os.kill(pid, signal.SIGSTOP)  # a hung shard...
+        outcome: list[object] = []
+
+        def unmount() -> None:
+            with Client(service.runtime) as other:
+                try:
+                    outcome.append(
+                        other._run(
+                            other._async._anchor,
+                            {"op": "unmount", "directory": str(where), "force": False},
+                        )
+                    )
+                except Exception as exc:  # recorded, then asserted below
+                    outcome.append(exc)
+
+        thread = threading.Thread(target=unmount)
+        thread.start()
+        os.kill(pid, signal.SIGKILL)  # ...that then dies: the anchor must still restart it
+        service.wait_restarted(volume["shard"], pid)
+        thread.join(timeout=120)
+        assert not thread.is_alive() and outcome, "the unmount never finished"
+        assert client.read(volume["id"], "/f") == b"data"

@@ -347,3 +347,14 @@ def test_kinds_other_than_files_are_reported() -> None:
         volume.mknod(ROOT_INO, "file", Kind.FILE)
     with pytest.raises(InvalidArgument):
         volume.write(fifo.ino, 0, b"x")
+
+
+def test_an_edit_that_shrinks_a_file_needs_no_capacity() -> None:
+    volume = Volume.new(Host(), capacity=Capacity.reserved(8 * PAGE + INODE_COST))
+    ino = volume.create(ROOT_INO, "f").ino
+    volume.splice(ino, 0, 0, b"x" * (8 * PAGE - 100))
+    with pytest.raises(CapacityExhausted):
+        volume.splice(ino, 0, 0, b"y" * (2 * PAGE))
+    volume.splice(ino, 0, 1000, b"z" * 100)  # replaces own bytes with fewer: allowed
+    assert volume.read(ino, 0, 101) == b"z" * 100 + b"x"
+    check_invariants(volume)

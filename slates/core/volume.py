@@ -1141,10 +1141,6 @@ class Volume:
         _check_count(r.size, "size")
         if r.size > MAX_FILE_SIZE:
             raise FileTooLarge("size beyond the maximum file size", size=r.size)
-        if r.size == body.size:
-            # truncate(2) to the same size changes nothing, times included (as tmpfs);
-            # ftruncate and O_TRUNC also set the times, which reach us as SetAttr.
-            return
         extents = body.extents
         if r.size < body.size:
             kept: list[Extent] = []
@@ -1289,7 +1285,13 @@ class Volume:
         delta = len(r.data) - (r.end - r.start)
         if body.size + delta > MAX_FILE_SIZE:
             raise FileTooLarge("the edit makes the file too large")
-        self.host.admit(self, len(r.data))
+        # The new bytes are charged; the volume's own bytes the edit removes are freed.
+        freed = sum(
+            min(e.start + e.length, r.end) - max(e.start, r.start)
+            for e in overlapping(body.extents, r.start, r.end)
+            if isinstance(e, PageSpan) or (isinstance(e, ChunkSpan) and e.epoch == self.root.epoch)
+        )
+        self.host.admit(self, len(r.data) - freed)
         # Every check has passed.  Content after the edit moves by `delta`, which
         # page spans (page-aligned by invariant) cannot: the file is sealed first.
         extents, _new, _shared, _bytes = self._sealed(body)

@@ -16,8 +16,7 @@ non-zero rather than spinning.
 
 from __future__ import annotations
 
-import ctypes
-import errno
+import contextlib
 import math
 import os
 import select
@@ -63,7 +62,6 @@ __all__ = [
 MAX_RESTARTS = 20
 RESTART_WINDOW = 60.0
 _UCRED = struct.Struct("3i")
-_LIBC = ctypes.CDLL(None, use_errno=True)
 CONTROL_SECONDS = 2.0
 BRIDGE_START_SECONDS = 60.0
 JOURNAL_SIZE = 4 << 30  # virtual sizes: memfds are sparse
@@ -286,7 +284,10 @@ class Anchor:
                 force = request.get("force", False)
                 if not isinstance(force, bool):
                     raise InvalidArgument("force is true or false")
-                return self._unmount(os.path.realpath(directory), force=force)
+                # Never stat the mount point itself: that asks the bridge, which
+                # may be waiting for a shard only this loop can restart.
+                head, name = os.path.split(os.path.normpath(directory))
+                return self._unmount(os.path.join(os.path.realpath(head), name), force=force)
             case _:
                 raise InvalidArgument("unknown control operation")
 
@@ -357,25 +358,30 @@ class Anchor:
         mount = self.mounts.get(path)
         if mount is None:
             raise NotFound("no Slates mount there", directory=path)
-        if not force and _LIBC.umount2(os.fsencode(path), 0) != 0:
-            error = ctypes.get_errno()
-            if error == errno.EBUSY:
-                raise InvalidArgument(
-                    "the mount is in use (a process has a file or directory open there); "
-                    "close it, or unmount with --force to detach it lazily",
-                    directory=path,
-                )
+        if not force and (users := _users_of(path)):
+            raise InvalidArgument(
+                "the mount is in use (a process has a file or directory open there); "
+                "close it, or unmount with --force to detach it lazily",
+                directory=path,
+                pids=users[:20],
+            )
         del self.mounts[path]
         mount.process.terminate()  # the bridge unmounts cleanly on SIGTERM
-        try:
-            mount.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            mount.process.kill()
-            mount.process.wait()
+        self._wait_exit(mount.process, BRIDGE_START_SECONDS)
         self._clean_mountpoint(path)
         self._publish()
         _log(f"unmounted {path}")
         return {"directory": path, "volume": mount.volume}
+
+    def _wait_exit(self, process: subprocess.Popen[bytes], timeout: float) -> None:
+        """Wait for a child to exit, supervising the shards meanwhile (it may need one)."""
+        deadline = time.monotonic() + timeout
+        while process.poll() is None and time.monotonic() < deadline:
+            self._supervise()
+            time.sleep(0.02)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
     def _reap_bridges(self) -> None:
         for path, mount in list(self.mounts.items()):
@@ -424,6 +430,28 @@ class Anchor:
                 os.close(fd)
         self.runtime.state_file.unlink(missing_ok=True)
         _log("anchor stopped")
+
+
+def _users_of(path: str) -> list[int]:
+    """Processes with a cwd, root, open file or mapping under `path` (read from /proc,
+    which names paths without asking the mounted file system anything)."""
+    prefix = path.rstrip("/") + "/"
+    users: list[int] = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        links: list[str] = []
+        with contextlib.suppress(OSError):
+            links += [
+                os.readlink(f"/proc/{entry.name}/cwd"),
+                os.readlink(f"/proc/{entry.name}/root"),
+            ]
+            links += [os.readlink(fd.path) for fd in os.scandir(f"/proc/{entry.name}/fd")]
+            with open(f"/proc/{entry.name}/maps", encoding="utf-8", errors="replace") as maps:
+                links += [line.split(maxsplit=5)[-1].strip() for line in maps if "/" in line]
+        if any(link == path or link.startswith(prefix) for link in links):
+            users.append(int(entry.name))
+    return users
 
 
 def is_mounted(path: str) -> bool:

@@ -344,8 +344,17 @@ class ShardService:
 
     def _edit(self, volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
         """Replace [start, end) of a file with data (creating the file when absent)."""
+        start, end = _int_arg(args, "start"), _int_arg(args, "end")
+        parent, name = self._parent(volume, _path_arg(args))
+        try:
+            volume.lookup(parent, name)
+        except NotFound:
+            if (start, end) != (0, 0):  # checked before the file is created
+                raise InvalidArgument(
+                    "a new file is edited at [0, 0)", start=start, end=end
+                ) from None
         ino, data = self._file_and_data(volume, args, now)
-        volume.splice(ino, _int_arg(args, "start"), _int_arg(args, "end"), data, time_ns=now)
+        volume.splice(ino, start, end, data, time_ns=now)
         return {"size": volume.getattr(ino).size}
 
     def _create_volume(self, args: dict[str, Any], now: int) -> dict[str, Any]:
