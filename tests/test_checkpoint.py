@@ -546,8 +546,8 @@ VALUES = st.one_of(
     st.binary(max_size=40),
     st.text(max_size=8),
     st.lists(st.integers(-1, 5), max_size=6),
-    st.just({}),
-    st.just({"a": b"b"}),
+    st.builds(dict),  # fresh objects: a shared one could be mutated into a cycle
+    st.fixed_dictionaries({"a": st.just(b"b")}),
 )
 
 
