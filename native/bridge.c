@@ -1221,12 +1221,11 @@ static void op_forget_multi(fuse_req_t req, size_t count_, struct fuse_forget_da
     fuse_reply_none(req);
 }
 
-static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+/* Send the encoded request and answer the kernel with the ATTR it returns. */
+static void reply_attr(fuse_req_t req)
 {
-    (void)fi;
     const msgpack_object *res;
     struct stat st;
-    enc_ino("fs.getattr", ino);
     int rc = call(&res);
     if (rc == 0)
         rc = attr_from(res, &st);
@@ -1236,20 +1235,19 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         fuse_reply_attr(req, &st, BRIDGE_TIMEOUT_SECONDS);
 }
 
+static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)fi;
+    enc_ino("fs.getattr", ino);
+    reply_attr(req);
+}
+
 static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set,
                        struct fuse_file_info *fi)
 {
     (void)fi;
-    const msgpack_object *res;
-    struct stat st;
     enc_setattr(ino, attr, to_set);
-    int rc = call(&res);
-    if (rc == 0)
-        rc = attr_from(res, &st);
-    if (rc != 0)
-        fuse_reply_err(req, rc);
-    else
-        fuse_reply_attr(req, &st, BRIDGE_TIMEOUT_SECONDS);
+    reply_attr(req);
 }
 
 static void op_readlink(fuse_req_t req, fuse_ino_t ino)

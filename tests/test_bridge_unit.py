@@ -33,11 +33,10 @@ from slates._native import ffi, lib
 from slates import errors
 from slates.base.live import LiveDirectory
 from slates.core.host import Host
-from slates.core.records import Attr
 from slates.core.volume import Volume
 from slates.errors import AlreadyExists, InvalidArgument, NotFound, SlatesError
 from slates.fuse.bridge import read_counters
-from slates.node.fsops import MODE_BITS
+from slates.node.fsops import MODE_BITS, attr_map
 from slates.node.protocol import (
     FrameReader,
     error_reply,
@@ -262,22 +261,6 @@ _KIND_BITS = MODE_BITS
 _KIND_OF = {bits: kind for kind, bits in _KIND_BITS.items()}
 
 
-def _attr(a: Attr) -> dict[str, int]:
-    return {
-        "ino": a.ino,
-        "mode": _KIND_BITS[a.kind] | a.mode,
-        "nlink": a.nlink,
-        "uid": a.uid,
-        "gid": a.gid,
-        "size": a.size,
-        "blocks": a.blocks,
-        "atime_ns": a.atime_ns,
-        "mtime_ns": a.mtime_ns,
-        "ctime_ns": a.ctime_ns,
-        "rdev": a.rdev,
-    }
-
-
 def _name(value: Any) -> str:
     if isinstance(value, bytes):
         return value.decode("utf-8", "surrogateescape")
@@ -409,13 +392,13 @@ class FakeShard:
                     self.negative_lookups += 1
                     raise
                 self._retain(a.ino)
-                return _attr(a)
+                return attr_map(a)
             case "fs.forget":
                 for ino, n in args["items"]:
                     self.lookups[ino] = self.lookups.get(ino, 0) - n
                 return {}
             case "fs.getattr":
-                return _attr(v.getattr(args["ino"]))
+                return attr_map(v.getattr(args["ino"]))
             case "fs.setattr":
                 ino = args["ino"]
                 if "size" in args:
@@ -423,8 +406,8 @@ class FakeShard:
                 fields = ("mode", "uid", "gid", "atime_ns", "mtime_ns")
                 changes = {k: args[k] for k in fields if k in args}
                 if changes:
-                    return _attr(v.setattr(ino, time_ns=now, **changes))
-                return _attr(v.getattr(ino))
+                    return attr_map(v.setattr(ino, time_ns=now, **changes))
+                return attr_map(v.getattr(ino))
             case "fs.readlink":
                 return v.readlink(args["ino"])
             case "fs.mknod":
@@ -440,7 +423,7 @@ class FakeShard:
                     time_ns=now,
                 )
                 self._retain(a.ino)
-                return _attr(a)
+                return attr_map(a)
             case "fs.mkdir":
                 a = v.mkdir(
                     args["parent"],
@@ -451,7 +434,7 @@ class FakeShard:
                     time_ns=now,
                 )
                 self._retain(a.ino)
-                return _attr(a)
+                return attr_map(a)
             case "fs.unlink":
                 v.unlink(args["parent"], _name(args["name"]), time_ns=now)
                 return {}
@@ -468,7 +451,7 @@ class FakeShard:
                     time_ns=now,
                 )
                 self._retain(a.ino)
-                return _attr(a)
+                return attr_map(a)
             case "fs.rename":
                 v.rename(
                     args["parent"],
@@ -482,7 +465,7 @@ class FakeShard:
             case "fs.link":
                 a = v.link(args["ino"], args["new_parent"], _name(args["new_name"]), time_ns=now)
                 self._retain(a.ino)
-                return _attr(a)
+                return attr_map(a)
             case "fs.create":
                 parent, name = args["parent"], _name(args["name"])
                 try:
@@ -499,7 +482,7 @@ class FakeShard:
                         raise
                     a = v.lookup(parent, name)
                 self._retain(a.ino)
-                return _attr(a)
+                return attr_map(a)
             case "fs.read":
                 return v.read(args["ino"], args["offset"], args["size"])
             case "fs.write":
@@ -555,7 +538,7 @@ class FakeShard:
             attr = None
             if plus:
                 self._retain(a.ino)
-                attr = _attr(a)
+                attr = attr_map(a)
             entries.append([item.name, _KIND_BITS[a.kind], a.ino, index, attr])
         del here
         return [e for e in entries if e[3] > offset]
