@@ -59,6 +59,7 @@ import msgpack
 
 from slates.core.extents import PAGE, BaseSpan, ChunkSpan, Extent, PageSpan
 from slates.core.host import Host
+from slates.core.origin import NEW
 from slates.core.records import Fingerprint, Kind
 from slates.core.volume import (
     MAX_FILE_SIZE,
@@ -89,7 +90,8 @@ __all__ = ["FORMAT", "VERSION", "LoadedState", "dump_state", "load_state"]
 #    "snapshot_metadata_bytes": int}
 #   inode = [ino, kind, mode, uid, gid, nlink, atime_ns, mtime_ns, ctime_ns,
 #            {xattr name: value}, body]             body layout set by kind:
-#     FILE    [size, [extent, ...], base_path|nil, [device, inode, size, mtime_ns]|nil]
+#     FILE    [size, [extent, ...], base_path|nil, [device, inode, size, mtime_ns]|nil,
+#              [record generation, [source, length, ...]]|nil (origin)]
 #             extent = [0, start, length, base_offset]                     (base)
 #                    | [1, start, length, chunk idx, chunk_offset, epoch]  (chunk)
 #                    | [2, start, length, buffer_id]                       (page)
@@ -99,7 +101,7 @@ __all__ = ["FORMAT", "VERSION", "LoadedState", "dump_state", "load_state"]
 #     other   [rdev]
 #   root = [from root idx|nil, [removed ino, ...], [inode idx, ...],
 #           [[device, inode], ...] removed base ids, [[device, inode, ino], ...],
-#           next_ino, referenced_bytes, case_insensitive, epoch]
+#           next_ino, referenced_bytes, case_insensitive, epoch, record_gen]
 #   volume = {"name", "root", "base", "bounded", "limit", "closed",
 #             "unique_bytes", "inflight_bytes", "metadata_bytes", "own_mark",
 #             "buffers": [[buffer_id, bytes]],
@@ -237,6 +239,7 @@ class _Encoder:
                 root.referenced_bytes,
                 root.case_insensitive,
                 root.epoch,
+                root.record_gen,
             ]
         )
         self._root_at[id(root)] = index
@@ -272,6 +275,7 @@ class _Encoder:
                 [self._extent(extent) for extent in body.extents],
                 body.base_path,
                 None if fp is None else [fp.device, fp.inode, fp.size, fp.mtime_ns],
+                None if body.origin is None else [body.origin[0], list(body.origin[1])],
             ]
         elif isinstance(body, DirBody):
             origin: int | None = None
@@ -557,7 +561,7 @@ class _Decoder:
         return inode
 
     def _file(self, raw: Any) -> FileBody:
-        f = _list(raw, "file body", 4)
+        f = _list(raw, "file body", 5)
         size = _int(f[0], "file size", 0, MAX_FILE_SIZE)
         extents: list[Extent] = []
         end = 0
@@ -610,7 +614,14 @@ class _Decoder:
                 _int(fp[2], "base size"),
                 _int(fp[3], "base mtime_ns", None),
             )
-        return FileBody(size, tuple(extents), _opt_str(f[2], "base path"), fingerprint)
+        origin = None
+        if f[4] is not None:
+            raw_origin = _list(f[4], "origin", 2)
+            pieces = tuple(_int(v, "origin piece", NEW) for v in _list(raw_origin[1], "pieces"))
+            if len(pieces) % 2 or any(v <= 0 for v in pieces[1::2]):
+                _bad("an origin has a malformed piece")
+            origin = (_int(raw_origin[0], "record generation"), pieces)
+        return FileBody(size, tuple(extents), _opt_str(f[2], "base path"), fingerprint, origin)
 
     def _dir(self, raw: Any) -> DirBody:
         f = _list(raw, "directory body", 6)
@@ -639,7 +650,7 @@ class _Decoder:
         return DirBody(parent, entries.finish(), whiteouts, _opt_str(f[5], "base path"))
 
     def _root(self, raw: Any) -> Root:
-        f = _list(raw, "root", 9)
+        f = _list(raw, "root", 10)
         inodes, ids = _EMPTY_INODES, _EMPTY_IDS
         if f[0] is not None:
             prev = self.roots[_int(f[0], "root origin", 0, len(self.roots) - 1)]
@@ -674,6 +685,7 @@ class _Decoder:
             _int(f[6], "referenced bytes"),
             _bool(f[7], "case_insensitive"),
             _int(f[8], "epoch"),
+            _int(f[9], "record generation"),
         )
 
     @staticmethod

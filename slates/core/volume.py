@@ -67,6 +67,7 @@ from slates.core.extents import (
     uncovered,
 )
 from slates.core.host import UNLIMITED, Host
+from slates.core.origin import Pieces, identity, replace_span
 from slates.core.records import (
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
@@ -173,6 +174,9 @@ class FileBody:
     extents: tuple[Extent, ...]
     base_path: str | None  # where BaseSpan bytes come from
     fingerprint: Fingerprint | None
+    # (recording generation, pieces): where the bytes came from since the
+    # volume started recording (slates.core.origin); stale or None = unchanged.
+    origin: tuple[int, Pieces] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -221,6 +225,9 @@ class Root:
     # Content sealed at this epoch is the volume's own; a snapshot keeps the
     # epoch and the volume (and every clone) moves past it.
     epoch: int = 0
+    # Origins recorded under an older generation are stale: every clone starts
+    # recording afresh relative to the snapshot it came from.
+    record_gen: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -494,7 +501,9 @@ class Volume:
     @classmethod
     def clone(cls, snapshot: Snapshot, host: Host, capacity: Capacity | None = None) -> Volume:
         """A new volume whose root is the snapshot's root: O(1), nothing copied."""
-        root = dataclasses.replace(snapshot.root, epoch=snapshot.root.epoch + 1)
+        root = dataclasses.replace(
+            snapshot.root, epoch=snapshot.root.epoch + 1, record_gen=snapshot.root.record_gen + 1
+        )
         return cls(host, root, base=snapshot.base, capacity=capacity)
 
     def close(self) -> None:
@@ -1050,7 +1059,9 @@ class Volume:
             hi = min(extent.start + extent.length, end)
             buffer = self._buffers[extent.buffer_id]
             buffer[lo - extent.start : hi - extent.start] = r.data[lo - r.offset : hi - r.offset]
-        body = dataclasses.replace(body, size=max(body.size, end), extents=extents)
+        start = min(r.offset, body.size)
+        origin = self._recorded(body, start, min(end, body.size), end - start)
+        body = dataclasses.replace(body, size=max(body.size, end), extents=extents, origin=origin)
         txn.put(dataclasses.replace(inode, body=body, mtime_ns=r.time_ns, ctime_ns=r.time_ns))
         return len(r.data)
 
@@ -1088,6 +1099,16 @@ class Volume:
                 return splice(extents, extent.start, extent.start + extent.length, pieces)
         return extents
 
+    def _recorded(
+        self, body: FileBody, start: int, end: int, new_length: int
+    ) -> tuple[int, Pieces]:
+        """The file's origin once [start, end) is replaced by `new_length` new bytes."""
+        generation = self.root.record_gen
+        pieces = identity(body.size)
+        if body.origin is not None and body.origin[0] == generation:
+            pieces = body.origin[1]
+        return generation, replace_span(pieces, start, end, new_length)
+
     def _check_pages(self, *offsets: int) -> None:
         if any(offset % PAGE for offset in offsets):
             raise InvalidArgument("the range must lie on page boundaries")
@@ -1102,7 +1123,9 @@ class Volume:
         self._check_pages(r.offset, end)
         extents = self._split_pages_at(self._split_pages_at(body.extents, r.offset), end)
         extents = splice(extents, r.offset, end, [])
-        body = dataclasses.replace(body, extents=extents)
+        lo, hi = min(r.offset, body.size), min(end, body.size)
+        origin = self._recorded(body, lo, hi, hi - lo) if hi > lo else body.origin
+        body = dataclasses.replace(body, extents=extents, origin=origin)
         txn.put(dataclasses.replace(inode, body=body, mtime_ns=r.time_ns, ctime_ns=r.time_ns))
 
     def _share_range(self, txn: _Txn, r: ShareRange) -> int:
@@ -1130,7 +1153,11 @@ class Volume:
             self._split_pages_at(dst_body.extents, r.dst_offset), dst_end
         )
         extents = splice(extents, r.dst_offset, dst_end, shared)
-        dst_body = dataclasses.replace(dst_body, extents=extents, size=max(dst_body.size, dst_end))
+        start = min(r.dst_offset, dst_body.size)
+        origin = self._recorded(dst_body, start, min(dst_end, dst_body.size), dst_end - start)
+        dst_body = dataclasses.replace(
+            dst_body, extents=extents, size=max(dst_body.size, dst_end), origin=origin
+        )
         txn.put(dataclasses.replace(target, body=dst_body, mtime_ns=r.time_ns, ctime_ns=r.time_ns))
         return r.length
 
@@ -1161,7 +1188,11 @@ class Volume:
                     assert piece is not None
                     kept.append(piece)
             extents = tuple(kept)
-        body = dataclasses.replace(body, size=r.size, extents=extents)
+        lo, hi = min(r.size, body.size), max(r.size, body.size)
+        origin = body.origin
+        if r.size != body.size:
+            origin = self._recorded(body, lo, body.size, hi - body.size if r.size > lo else 0)
+        body = dataclasses.replace(body, size=r.size, extents=extents, origin=origin)
         txn.put(dataclasses.replace(inode, body=body, mtime_ns=r.time_ns, ctime_ns=r.time_ns))
 
     def _setattr(self, txn: _Txn, r: SetAttr) -> Attr:
@@ -1302,7 +1333,12 @@ class Volume:
             if (piece := trim(e, r.end, body.size))
         ]
         middle, _new, _shared = self._chunks_of(r.data, r.start)
-        body = dataclasses.replace(body, size=body.size + delta, extents=(*left, *middle, *right))
+        body = dataclasses.replace(
+            body,
+            size=body.size + delta,
+            extents=(*left, *middle, *right),
+            origin=self._recorded(body, r.start, r.end, len(r.data)),
+        )
         txn.put(dataclasses.replace(inode, body=body, mtime_ns=r.time_ns, ctime_ns=r.time_ns))
         return len(r.data)
 

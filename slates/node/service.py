@@ -15,6 +15,11 @@ Events are plain lists:
     ["drop", vid]                     a volume deleted
     ["done", client, seq, reply]      the saved reply of a mutating request
     ["ack", client, upto]             replies the client has received
+    ["green", vid, snapshot_id]       a volume becomes green; the snapshot is v0
+    ["work", vid, green, version]     a volume is work on a green version
+    ["reset", vid, snapshot_id]       the volume restarts as a clone of the snapshot
+    ["version", green, snapshot_id, base, work, changes]   a submission accepted
+    ["based", vid, version]           a work volume was rebased onto the version
 Everything an event needs from outside (base facts, times) is inside it,
 so replay needs no base directory except to serve later reads.
 
@@ -28,6 +33,7 @@ routes by id without any lookup.
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -44,11 +50,14 @@ from slates.errors import (
     IsADirectory,
     MissingContent,
     NotFound,
+    NotPermitted,
     RequestExpired,
     SlatesError,
     VerificationFailed,
     error_from_wire,
 )
+from slates.merge import changes as merge_changes
+from slates.merge import tree as merge_tree
 from slates.node.fsops import run_fs_op
 from slates.node.protocol import Request, error_reply, ok_reply
 
@@ -62,6 +71,25 @@ READ_ONLY_OPS = frozenset(
     | {"fs.lseek", "fs.access", "fs.fsync", "bye"}
 )
 Event = list[Any]
+# What a green volume refuses: it changes only by submission.
+GREEN_REFUSES = frozenset(
+    {"write", "edit", "truncate", "mkdir", "symlink", "unlink", "rmdir", "rename"}
+    | {"fs.setattr", "fs.mknod", "fs.mkdir", "fs.unlink", "fs.rmdir", "fs.symlink", "fs.rename"}
+    | {"fs.link", "fs.create", "fs.write", "fs.setxattr", "fs.removexattr", "fs.fallocate"}
+    | {"fs.copy_file_range"}
+)
+MAX_PATH_INDEXES = 16  # versions whose path index is kept for reporting
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Version:
+    """One entry of a green volume's ledger."""
+
+    number: int
+    snapshot_id: str
+    base: int  # the version the submission started from (-1 for v0)
+    work: str  # the submitting work volume ("" for v0)
+    increment: tuple[merge_changes.Change, ...]  # relative to version number - 1
 
 
 def shard_of(object_id: str) -> int:
@@ -132,6 +160,9 @@ class ShardService:
         self.acked: dict[str, int] = {}
         self.next_id = 1
         self.collect_due = False
+        self.greens: dict[str, list[Version]] = {}  # green volume id -> its ledger
+        self.works: dict[str, tuple[str, int]] = {}  # work volume id -> (green, base version)
+        self._path_indexes: dict[str, dict[int, str]] = {}  # snapshot id -> path index
         self._events: list[Event] = []
         self._client = ""
 
@@ -240,6 +271,25 @@ class ShardService:
 
             case "clone":
                 return self._clone(args)
+            case "green.create":
+                return self._create_green(args, now)
+            case "work.create":
+                return self._create_work(args)
+            case "submit":
+                return self._submit(args, now)
+            case "rebase":
+                return self._rebase(args, now)
+            case "versions":
+                return self._versions(args)
+            case "changed_since":
+                green, ledger = self._green(args)
+                since = _int_arg(args, "version")
+                if since >= len(ledger):
+                    raise NotFound("no such version", green=green, version=since)
+                paths: set[str] = set()
+                for version in ledger[since + 1 :]:
+                    paths |= merge_changes.changed_paths(version.increment)
+                return sorted(paths)
             case "snapshot":
                 vid, volume = self._volume(args)
                 snapshot = volume.snapshot(self._new_id("snap"))
@@ -257,7 +307,9 @@ class ShardService:
                 return self._run_file_op(op, args, now)
 
     def _run_file_op(self, op: str, args: dict[str, Any], now: int) -> Any:
-        _vid, volume = self._volume(args)
+        vid, volume = self._volume(args)
+        if vid in self.greens and op in GREEN_REFUSES:
+            raise NotPermitted("a green volume changes only by submission", volume=vid, op=op)
         if op.startswith("fs."):
             return run_fs_op(volume, op, args, now)
         match op:
@@ -411,6 +463,180 @@ class ShardService:
         )
         return self.info(vid)
 
+    # -- green and work volumes ------------------------------------------------
+
+    def _green(self, args: dict[str, Any], key: str = "green") -> tuple[str, list[Version]]:
+        green = _str_arg(args, key)
+        ledger = self.greens.get(green)
+        if ledger is None:
+            if green in self.volumes:
+                raise InvalidArgument("not a green volume", volume=green)
+            raise NotFound("no such green volume", green=green)
+        return green, ledger
+
+    def _create_green(self, args: dict[str, Any], now: int) -> dict[str, Any]:
+        """A green volume: empty, or a captured copy of a base directory (never read live).
+
+        A live base could change under the versions agents share, so a green
+        volume's base is captured: every version holds its own bytes.
+        """
+        if args.get("from") is not None:
+            raise InvalidArgument("a green volume starts empty or from a base directory")
+        create = {**args, "capture": args.get("base") is not None}
+        vid = self._create_volume(create, now)["id"]
+        snapshot = self.volumes[vid].snapshot(self._new_id("snap"))
+        self._emit(["green", vid, snapshot.snapshot_id])
+        return {**self.info(vid), "version": 0}
+
+    def _create_work(self, args: dict[str, Any]) -> dict[str, Any]:
+        green, ledger = self._green(args)
+        version = _int_arg(args, "version", len(ledger) - 1)
+        if version >= len(ledger):
+            raise NotFound("no such version", green=green, version=version)
+        info = self._clone(
+            {**args, "snapshot": ledger[version].snapshot_id, "name": _str_arg(args, "name")}
+        )
+        self._emit(["work", info["id"], green, version])
+        return {**self.info(info["id"]), "base": version}
+
+    def _work(self, args: dict[str, Any]) -> tuple[str, Volume, str, int]:
+        vid, volume = self._volume(args)
+        found = self.works.get(vid)
+        if found is None:
+            raise InvalidArgument("not a work volume", volume=vid)
+        green, base = found
+        if green not in self.greens:
+            raise NotFound("the work volume's green volume is gone", green=green)
+        return vid, volume, green, base
+
+    def _path_index(self, snapshot_id: str) -> dict[int, str]:
+        index = self._path_indexes.pop(snapshot_id, None)
+        if index is None:
+            index = merge_tree.path_index(self.snapshots[snapshot_id].root)
+            while len(self._path_indexes) >= MAX_PATH_INDEXES:
+                del self._path_indexes[next(iter(self._path_indexes))]
+        self._path_indexes[snapshot_id] = index
+        return index
+
+    def _mapped_changes(
+        self, volume: Volume, green: str, base: int
+    ) -> tuple[tuple[merge_changes.Change, ...], list[dict[str, Any]]]:
+        """The work's changes since `base`, mapped to the green head, or the conflicts."""
+        ledger = self.greens[green]
+        snapshot_id = ledger[base].snapshot_id
+        base_root = self.snapshots[snapshot_id].root
+        paths = self._path_index(snapshot_id)
+        changes = merge_tree.diff(
+            base_root,
+            volume.root,
+            volume.read,
+            lambda ino: paths.get(ino, f"#{ino}"),
+        )
+        for version in ledger[base + 1 :]:
+            changes, conflicts = merge_changes.map_through(changes, version.increment)
+            if conflicts:
+                return (), [self._conflict_wire(c, snapshot_id, version) for c in conflicts]
+        return changes, []
+
+    def _conflict_wire(
+        self, conflict: merge_changes.Conflict, base_snapshot: str, version: Version
+    ) -> dict[str, Any]:
+        wire = merge_changes.conflict_to_wire(conflict)
+        wire["version"] = version.number
+        if conflict.base is not None and conflict.ino:
+            # The base bytes are read only to report them: a conflict is rare.
+            reader = Volume.clone(self.snapshots[base_snapshot], self.host)
+            try:
+                start, end = conflict.base
+                wire["base_bytes"] = reader.read(conflict.ino, start, end - start)
+            except SlatesError:
+                wire["base_bytes"] = None
+            finally:
+                reader.close()
+        return wire
+
+    def _restart_as(
+        self, vid: str, snapshot_id: str, changes: tuple[merge_changes.Change, ...], now: int
+    ) -> tuple[Volume, tuple[merge_changes.Change, ...]]:
+        """Make `vid` a clone of the snapshot with `changes` applied, or change nothing.
+
+        The new volume replaces the old one only if every change applied; its
+        records are journaled after a "reset" event, so replay rebuilds it the
+        same way.
+        """
+        old = self.volumes[vid]
+        mark = len(self._events)
+        fresh = Volume.clone(
+            self.snapshots[snapshot_id], self.host, Capacity(old.bounded, old.limit)
+        )
+        self._events.append(["reset", vid, snapshot_id])
+        self._watch(vid, fresh)
+        try:
+            applied = merge_tree.apply(fresh, changes, now)
+        except BaseException:
+            del self._events[mark:]
+            fresh.close()
+            raise
+        old.close()
+        self.volumes[vid] = fresh
+        self.collect_due = True
+        return fresh, applied
+
+    def _submit(self, args: dict[str, Any], now: int) -> dict[str, Any]:
+        vid, volume, green, base = self._work(args)
+        volume.seal()
+        changes, conflicts = self._mapped_changes(volume, green, base)
+        ledger = self.greens[green]
+        if conflicts:
+            return {"ok": False, "version": None, "conflicts": conflicts}
+        if not changes:  # nothing, or only what the head holds already
+            return {"ok": True, "version": len(ledger) - 1, "conflicts": []}
+        head = ledger[-1]
+        fresh, applied = self._restart_as(green, head.snapshot_id, changes, now)
+        snapshot = fresh.snapshot(self._new_id("snap"))
+        self._emit(
+            [
+                "version",
+                green,
+                snapshot.snapshot_id,
+                base,
+                vid,
+                merge_changes.changes_to_wire(applied),
+            ]
+        )
+        return {"ok": True, "version": len(ledger) - 1, "conflicts": []}
+
+    def _rebase(self, args: dict[str, Any], now: int) -> dict[str, Any]:
+        vid, volume, green, base = self._work(args)
+        if volume.held_inodes():
+            raise InvalidArgument("unmount the work volume before rebasing it", volume=vid)
+        changes, conflicts = self._mapped_changes(volume, green, base)
+        if conflicts:
+            return {"ok": False, "version": base, "conflicts": conflicts}
+        ledger = self.greens[green]
+        self._restart_as(vid, ledger[-1].snapshot_id, changes, now)
+        self._emit(["based", vid, len(ledger) - 1])
+        return {"ok": True, "version": len(ledger) - 1, "conflicts": []}
+
+    def _versions(self, args: dict[str, Any]) -> dict[str, Any]:
+        green, ledger = self._green(args)
+        limit = _int_arg(args, "limit", 100)
+        return {
+            "green": green,
+            "head": len(ledger) - 1,
+            "versions": [
+                {
+                    "version": v.number,
+                    "snapshot": v.snapshot_id,
+                    "base": v.base,
+                    "work": v.work,
+                    "paths": sorted(merge_changes.changed_paths(v.increment)),
+                }
+                for v in ledger[-limit:]
+                if limit
+            ],
+        }
+
     # -- events ---------------------------------------------------------------
 
     def replay(self, events: Iterable[Event]) -> None:
@@ -489,7 +715,30 @@ class ShardService:
                 finally:
                     volume.on_applied = hook
                 self._after_record(record, result)
+            case ["green", str(vid), str(snapshot_id)]:
+                self.greens[vid] = [Version(0, snapshot_id, -1, "", ())]
+            case ["work", str(vid), str(green), int(version)]:
+                self.works[vid] = (green, version)
+            case ["based", str(vid), int(version)] if vid in self.works:
+                self.works[vid] = (self.works[vid][0], version)
+            case ["version", str(green), str(snapshot_id), int(base), str(work), list(raw)]:
+                ledger = self.greens[green]
+                increment = merge_changes.changes_from_wire(raw)
+                ledger.append(Version(len(ledger), snapshot_id, base, work, increment))
+            case ["reset", str(vid), str(snapshot_id)] if not live:
+                if vid in self.failed:
+                    return
+                old = self.volumes[vid]
+                fresh = Volume.clone(
+                    self.snapshots[snapshot_id], self.host, Capacity(old.bounded, old.limit)
+                )
+                old.close()
+                self.volumes[vid] = fresh
+                self._watch(vid, fresh)
+                self.collect_due = True
             case ["drop", str(vid)]:
+                self.greens.pop(vid, None)
+                self.works.pop(vid, None)
                 dropped = self.volumes.pop(vid, None)
                 self.names.pop(vid, None)
                 self.base_keys.pop(vid, None)
@@ -541,6 +790,15 @@ class ShardService:
             "base": self.base_keys[vid],
             "bounded": volume.bounded,
             "limit": volume.limit,
+            "role": "green" if vid in self.greens else "work" if vid in self.works else "volume",
+            "green": self.works[vid][0] if vid in self.works else None,
+            "version": (
+                len(self.greens[vid]) - 1
+                if vid in self.greens
+                else self.works[vid][1]
+                if vid in self.works
+                else None
+            ),
             "counters": {
                 "referenced_bytes": counters.referenced_bytes,
                 "unique_bytes": counters.unique_bytes,
@@ -570,6 +828,14 @@ class ShardService:
             "acked": self.acked,
             "next_id": self.next_id,
             "failed": {vid: error.to_wire() for vid, error in self.failed.items()},
+            "greens": {
+                green: [
+                    [v.snapshot_id, v.base, v.work, merge_changes.changes_to_wire(v.increment)]
+                    for v in ledger
+                ]
+                for green, ledger in self.greens.items()
+            },
+            "works": {vid: list(found) for vid, found in self.works.items()},
         }
         out: bytes = msgpack.packb({"state": state, "meta": meta}, use_bin_type=True)
         return out
@@ -594,9 +860,20 @@ class ShardService:
             self.acked = {c: int(a) for c, a in meta["acked"].items()}
             self.next_id = int(meta["next_id"])
             failed = dict(meta["failed"])
+            greens = {
+                green: [
+                    Version(
+                        n, str(snap), int(base), str(work), merge_changes.changes_from_wire(raw)
+                    )
+                    for n, (snap, base, work, raw) in enumerate(entries)
+                ]
+                for green, entries in meta["greens"].items()
+            }
+            works = {vid: (str(g), int(v)) for vid, (g, v) in meta["works"].items()}
         except (KeyError, TypeError, ValueError) as exc:
             raise VerificationFailed("the checkpoint is malformed", reason=str(exc)) from None
         self.failed = {vid: error_from_wire(wire) for vid, wire in failed.items()}
+        self.greens, self.works = greens, works
         self.failed.update(loaded.failures)
         self.snapshots = dict(loaded.snapshots)
         self.volumes = dict(loaded.volumes)
