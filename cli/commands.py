@@ -1,4 +1,4 @@
-"""The daemon-backed `slates` commands: status, volumes, snapshots, clones, files.
+"""The daemon-backed `slates` commands: status, volumes, snapshots, clones, files, merges.
 
 Theory of operation: every command here is thin over the blocking SDK
 (slates.sdk.Client).  It parses its arguments, opens one Client on the
@@ -27,8 +27,20 @@ first piece and appends the rest: a reader may see a partly written file,
 and a failure part way leaves the pieces written so far.  `read` stops at
 the first short piece.
 
+Green and work volumes (DESIGN.md section 5): `green create`, `work
+create`, `submit`, `rebase`, `versions` and `changed` are as thin as the
+rest.  A submit or rebase that the service refuses because of conflicts is
+not an error of the service: its result (`ok` false and the conflicts) is
+printed on stdout, each conflict with its path, kind, ranges and the base,
+accepted and proposed bytes (escaped as Python shows bytes, cut at
+SHOWN_BYTES), a one-line `error: Conflict: ...` goes to stderr, and the
+exit code is CONFLICT_EXIT (3), apart from the 1 and 2 of failures.  In
+JSON, bytes are strings with one character per byte (latin-1):
+`text.encode("latin-1")` gives the bytes back.
+
 Long work shows progress on stderr (a rich spinner while `--capture`
-reads its base), never in `--json` mode.
+reads its base, or while `green create --base` captures it), never in
+`--json` mode.
 """
 
 from __future__ import annotations
@@ -66,6 +78,16 @@ __all__ = [
     "ls",
     "mount",
     "unmount",
+    "green",
+    "green_create",
+    "work",
+    "work_create",
+    "submit",
+    "rebase",
+    "versions",
+    "changed",
+    "CONFLICT_EXIT",
+    "SHOWN_BYTES",
     "resolve_volume",
     "parse_quota",
     "format_bytes",
@@ -74,6 +96,10 @@ __all__ = [
 
 CHUNK = 256 << 10
 """Most bytes one read or write request carries (well under a ring's message limit)."""
+CONFLICT_EXIT = 3
+"""The exit code of a submit or rebase refused because of conflicts."""
+SHOWN_BYTES = 64
+"""Most bytes of a conflict's content shown to people (JSON has all of them)."""
 
 _VOLUME_ID = re.compile(r"vol-\d+-\d+")
 _UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
@@ -87,6 +113,8 @@ def register(group: click.Group, fail: Fail) -> None:
     global _fail_hook
     _fail_hook = fail
     for command in (status, volume, snapshot, clone, read, write, ls, mount, unmount):
+        group.add_command(command)
+    for command in (green, work, submit, rebase, versions, changed):
         group.add_command(command)
 
 
@@ -117,8 +145,15 @@ def _client(runtime_dir: str | None) -> Iterator[Client]:
         _fail(error)
 
 
+def _json_bytes(value: object) -> str:
+    """Bytes in JSON: one character per byte (latin-1), so nothing is lost or guessed."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).decode("latin-1")
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def _echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2))
+    click.echo(json.dumps(data, indent=2, default=_json_bytes))
 
 
 def format_bytes(nbytes: int) -> str:
@@ -180,7 +215,7 @@ def _path(path: str) -> str:
     return path if path.startswith("/") else "/" + path
 
 
-def _facts(title: str, rows: list[tuple[str, str]]) -> Table:
+def _facts(title: str | Text, rows: list[tuple[str, str]]) -> Table:
     table = Table(title=title, title_justify="left", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value", overflow="fold")
@@ -189,15 +224,28 @@ def _facts(title: str, rows: list[tuple[str, str]]) -> Table:
     return table
 
 
+def _role(info: dict[str, Any]) -> list[tuple[str, str]]:
+    """What a green or work volume is to the merge (nothing for a plain volume)."""
+    match info.get("role"):
+        case "green":
+            return [("role", f"green, head version {info['version']}")]
+        case "work":
+            return [("role", f"work on {info['green']}, from version {info['version']}")]
+    return []
+
+
 def _volume_facts(title: str, info: dict[str, Any]) -> Table:
     counters = info["counters"]
+    # A new work volume's "base" is its version (in "role"), not a directory.
+    base = info["base"] if isinstance(info["base"], str) else "-"
     return _facts(
         title,
         [
             ("id", str(info["id"])),
             ("name", str(info["name"])),
             ("shard", str(info["shard"])),
-            ("base", info["base"] or "-"),
+            *_role(info),
+            ("base", base),
             ("quota", format_quota(info)),
             ("referenced", format_bytes(counters["referenced_bytes"])),
             ("unique", format_bytes(counters["unique_bytes"])),
@@ -550,3 +598,242 @@ def unmount(directory: str, runtime_dir: str | None, as_json: bool, force: bool)
         _echo_json(result)
     else:
         click.echo(f"unmounted {result['directory']}")
+
+
+# -- green and work volumes --------------------------------------------------
+
+
+def _range(span: list[int] | None) -> str:
+    """A byte range as the product writes it: "[8, 10)"; "-" for none."""
+    return "-" if span is None else f"[{span[0]}, {span[1]})"
+
+
+def _content(data: bytes | None) -> str:
+    """Bytes as Python shows them (b'quality=80\\n'), cut at SHOWN_BYTES; "-" for none."""
+    if data is None:
+        return "-"
+    data = bytes(data)
+    if len(data) <= SHOWN_BYTES:
+        return repr(data)
+    return f"{data[:SHOWN_BYTES]!r}... ({len(data):,} B in all)"
+
+
+def _conflict_facts(number: int, total: int, conflict: dict[str, Any]) -> Table:
+    return _facts(
+        Text(f"Conflict {number} of {total}: {conflict['path']}"),
+        [
+            ("path", str(conflict["path"])),
+            ("kind", str(conflict["kind"])),
+            ("accepted in", f"version {conflict['version']}"),
+            ("base range", _range(conflict["base"])),
+            ("head range", _range(conflict["head"])),
+            ("base", _content(conflict["base_bytes"])),
+            ("accepted", _content(conflict["accepted"])),
+            ("proposed", _content(conflict["proposed"])),
+        ],
+    )
+
+
+def _refused(what: str, vid: str, result: dict[str, Any], as_json: bool, kept: str) -> NoReturn:
+    """Print a refused submit or rebase (stdout), say so on stderr, exit CONFLICT_EXIT."""
+    conflicts: list[dict[str, Any]] = result["conflicts"]
+    if as_json:
+        _echo_json(result)
+    else:
+        console = Console()
+        for number, conflict in enumerate(conflicts, 1):
+            console.print(_conflict_facts(number, len(conflicts), conflict))
+    against = ", ".join(str(v) for v in sorted({c["version"] for c in conflicts})) or "?"
+    count = f"{len(conflicts)} conflict{'' if len(conflicts) == 1 else 's'}"
+    click.echo(
+        f"error: Conflict: {what} of {vid} refused: {count} with version {against}; {kept}",
+        err=True,
+    )
+    raise SystemExit(CONFLICT_EXIT)
+
+
+@click.group()
+def green() -> None:
+    """Green volumes: the shared, ordered versions that work volumes submit to."""
+
+
+@green.command("create")
+@click.argument("name")
+@click.option("--base", metavar="PATH", default=None, help="Capture this directory as version 0.")
+@click.option("--bounded", metavar="SIZE", default=None, help="Reserve SIZE, e.g. 4GiB.")
+@click.option("--dynamic", metavar="MAX", default=None, help="Grow on demand up to MAX.")
+@click.option("--case-insensitive", is_flag=True, help="Names match regardless of case.")
+@runtime_dir_option
+@json_option
+def green_create(
+    name: str,
+    base: str | None,
+    bounded: str | None,
+    dynamic: str | None,
+    case_insensitive: bool,
+    runtime_dir: str | None,
+    as_json: bool,
+) -> None:
+    """Create green volume NAME at version 0: empty, or a captured copy of PATH.
+
+    It changes only by submissions from its work volumes.
+    """
+    try:
+        bounded_bytes, dynamic_bytes = parse_quota(bounded, dynamic)
+    except SlatesError as error:
+        _fail(error)
+    with _client(runtime_dir) as client:
+        spinner: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if base is not None and not as_json:
+            spinner = Console(stderr=True).status(f"capturing {base} ...")
+        with spinner:
+            gid = client.create_green(
+                name,
+                base=base,
+                bounded=bounded_bytes,
+                dynamic=dynamic_bytes,
+                case_insensitive=case_insensitive,
+            )
+        info: dict[str, Any] = client.show_volume(gid)
+    if as_json:
+        _echo_json(info)
+    else:
+        Console().print(_volume_facts(f"Created green volume {gid}", info))
+
+
+@click.group()
+def work() -> None:
+    """Work volumes: one agent's private copy of a green version."""
+
+
+@work.command("create")
+@click.argument("green_ref", metavar="GREEN")
+@click.argument("name")
+@click.option(
+    "--version",
+    metavar="N",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Start from version N (default: the head).",
+)
+@runtime_dir_option
+@json_option
+def work_create(
+    green_ref: str, name: str, version: int | None, runtime_dir: str | None, as_json: bool
+) -> None:
+    """Create work volume NAME on a version of GREEN (by id or unique name); nothing is copied."""
+    with _client(runtime_dir) as client:
+        info: dict[str, Any] = client.create_work(
+            resolve_volume(client, green_ref), name, version=version
+        )
+    if as_json:
+        _echo_json(info)
+    else:
+        Console().print(_volume_facts(f"Created work volume {info['id']}", info))
+
+
+@click.command()
+@click.argument("work_ref", metavar="WORK")
+@runtime_dir_option
+@json_option
+def submit(work_ref: str, runtime_dir: str | None, as_json: bool) -> None:
+    """Offer WORK's changes (by id or unique name) to its green volume.
+
+    Accepted, they become the green volume's new head version.  Refused
+    because of conflicts, each conflict is printed (path, kind, ranges; base,
+    accepted and proposed bytes), the green head is unchanged, the work
+    volume keeps its edits, and the exit code is 3.  Acceptance is not a
+    test result.
+    """
+    with _client(runtime_dir) as client:
+        vid = resolve_volume(client, work_ref)
+        result: dict[str, Any] = client.submit(vid)
+    if not result["ok"]:
+        kept = "the green head is unchanged and the work volume keeps its edits"
+        _refused("submit", vid, result, as_json, kept)
+    if as_json:
+        _echo_json(result)
+    else:
+        click.echo(f"{vid}: accepted; the green head is version {result['version']}")
+
+
+@click.command()
+@click.argument("work_ref", metavar="WORK")
+@runtime_dir_option
+@json_option
+def rebase(work_ref: str, runtime_dir: str | None, as_json: bool) -> None:
+    """Move WORK (by id or unique name) onto its green head, keeping its changes.
+
+    Publishes nothing (submit does).  Refused because of conflicts, each
+    conflict is printed as by submit, the work volume is unchanged, and the
+    exit code is 3.
+    """
+    with _client(runtime_dir) as client:
+        vid = resolve_volume(client, work_ref)
+        result: dict[str, Any] = client.rebase(vid)
+    if not result["ok"]:
+        _refused("rebase", vid, result, as_json, "the work volume is unchanged")
+    if as_json:
+        _echo_json(result)
+    else:
+        click.echo(f"{vid}: rebased onto version {result['version']}")
+
+
+@click.command()
+@click.argument("green_ref", metavar="GREEN")
+@click.option(
+    "--limit",
+    metavar="N",
+    type=click.IntRange(min=0),
+    default=100,
+    show_default=True,
+    help="Show the last N versions.",
+)
+@runtime_dir_option
+@json_option
+def versions(green_ref: str, limit: int, runtime_dir: str | None, as_json: bool) -> None:
+    """The versions of GREEN (by id or unique name): base, work volume, changed paths."""
+    with _client(runtime_dir) as client:
+        ledger: dict[str, Any] = client.ledger(resolve_volume(client, green_ref), limit=limit)
+    if as_json:
+        _echo_json(ledger)
+        return
+    table = Table(
+        title=Text(f"Versions of {ledger['green']} (head {ledger['head']})"), title_justify="left"
+    )
+    table.add_column("version", justify="right")
+    table.add_column("base", justify="right")
+    table.add_column("work", overflow="fold")
+    table.add_column("changed paths", overflow="fold")
+    for entry in ledger["versions"]:
+        table.add_row(
+            str(entry["version"]),
+            "-" if entry["base"] < 0 else str(entry["base"]),
+            Text(entry["work"] or "-"),
+            Text("\n".join(entry["paths"]) or "-"),
+        )
+    if not ledger["versions"]:
+        table.caption = "none shown"
+    Console().print(table)
+
+
+@click.command()
+@click.argument("green_ref", metavar="GREEN")
+@click.option(
+    "--since",
+    metavar="VERSION",
+    type=click.IntRange(min=0),
+    required=True,
+    help="Paths changed by the versions after this one.",
+)
+@runtime_dir_option
+@json_option
+def changed(green_ref: str, since: int, runtime_dir: str | None, as_json: bool) -> None:
+    """Paths of GREEN (by id or unique name) changed after version VERSION, one per line."""
+    with _client(runtime_dir) as client:
+        paths = client.changed_since(resolve_volume(client, green_ref), since)
+    if as_json:
+        _echo_json(paths)
+    else:
+        for path in paths:
+            click.echo(path)

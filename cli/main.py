@@ -6,13 +6,15 @@ people or as JSON (`--json`) for programs.  No command computes figures of
 its own.  A slates.errors.SlatesError is printed as
 `error: <code>: <message>` on stderr; the exit code is 2 when the caller is
 at fault (`fault == "caller"`, e.g. InvalidArgument) and 1 otherwise.
-click's own usage errors also exit with 2.
+click's own usage errors also exit with 2.  A submit or rebase refused
+because of conflicts exits with 3 (slates_cli.commands.CONFLICT_EXIT).
 
 Commands: `demo` (the README Quick start's walk through the core,
 slates_cli.demo), `anchor` (start the service), and the daemon-backed
 commands of DESIGN.md section 8 (status, volume, snapshot, clone, read,
-write, ls), which live in slates_cli.commands and attach to `main` through
-its `register`.
+write, ls, mount, unmount, green create, work create, submit, rebase,
+versions, changed), which live in slates_cli.commands and attach to `main`
+through its `register`.
 """
 
 from __future__ import annotations
@@ -279,8 +281,8 @@ def demo(as_json: bool, keep: str | None, workspace: bool) -> None:
 def print_workspace_demo(observed: dict[str, Any], console: Console) -> None:
     counters = observed["counters"]
     rows: list[tuple[str, str | Text]] = [
-        ("project (the live base)", observed["project"]),
-        ("volume", f"{observed['volume']} mounted at {observed['mountpoint']}"),
+        ("project (captured as green v0)", observed["project"]),
+        ("agent-1's work volume", f"{observed['volume']} mounted at {observed['mountpoint']}"),
         ("ls in the mount", ", ".join(observed["listing"])),
         ("image.conf in the mount", _shown(observed["image_conf_in_mount"])),
         ("image.conf on disk", _shown(observed["image_conf_on_disk"])),
@@ -295,7 +297,32 @@ def print_workspace_demo(observed: dict[str, Any], console: Console) -> None:
         ),
         ("project directory unchanged", _yes(observed["project_unchanged"])),
     ]
-    console.print(_facts("A workspace over a directory, mounted", rows))
+    console.print(_facts("An agent's workspace, mounted", rows))
+    merge_rows: list[tuple[str, str | Text]] = [("green volume", observed["green"])]
+    for name, outcome in observed["submits"].items():
+        if outcome["ok"]:
+            merge_rows.append((f"submit {name}", f"accepted as version {outcome['version']}"))
+            continue
+        for conflict in outcome["conflicts"]:
+            merge_rows.append(
+                (
+                    f"submit {name}",
+                    f"conflict ({conflict['kind']}) at {conflict['path']} "
+                    f"[{conflict['base'][0]}, {conflict['base'][1]}): "
+                    f"base {conflict['base_bytes']!r}, accepted {conflict['accepted']!r}, "
+                    f"proposed {conflict['proposed']!r}; nothing changed",
+                )
+            )
+    merge_rows += [
+        ("head version", str(observed["head"])),
+        ("image.conf at the head", _shown(observed["head_image_conf"])),
+        (
+            "changed since version 0",
+            ", ".join(p for p in observed["changed"] if not p.startswith("/.git/"))
+            + f" ({len(observed['changed'])} paths with .git)",
+        ),
+    ]
+    console.print(_facts("Three agents submit to the green volume", merge_rows))
 
 
 @main.command()

@@ -1,9 +1,12 @@
 """`slates demo --workspace`: the product's main job, end to end, with a real mount.
 
-Theory of operation: start an anchor in a private runtime directory, create
-a volume over a sample project (reading none of its files), mount it, and
-work in it the way an agent would: edit a file with ordinary file calls,
-run git and a compiler, take a snapshot and clone it for a second attempt.
+Theory of operation: start an anchor in a private runtime directory, make a
+green volume from a sample project (captured once), give agent 1 a work
+volume and mount it, and work in it the way an agent would: edit a file
+with ordinary file calls, run git and a compiler, take a snapshot and clone
+it for a second attempt.  Two more agents edit the same file through the
+SDK; all three submit: two compatible edits combine, the competing one comes
+back as a structured conflict and changes nothing.
 Every step is a real process or system call; the script then shows that
 the project directory was never written, unmounts, and stops the anchor it
 started.  It returns a plain dict of what it observed, for the CLI to print.
@@ -66,6 +69,16 @@ def _run(command: list[str], cwd: Path) -> str:
     return done.stdout
 
 
+def _outcome(submitted: dict[str, Any]) -> dict[str, Any]:
+    """A submit's result with its conflicts' bytes as text (the demo's files are ASCII)."""
+
+    def text(value: object) -> object:
+        return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+    conflicts = [{k: text(v) for k, v in c.items()} for c in submitted["conflicts"]]
+    return {**submitted, "conflicts": conflicts}
+
+
 def run_workspace_demo() -> dict[str, Any]:
     top = Path(tempfile.mkdtemp(prefix="slates-workspace-demo-"))
     runtime, project, mnt = top / "run", top / "project", top / "mnt"
@@ -76,9 +89,10 @@ def run_workspace_demo() -> dict[str, Any]:
     result: dict[str, Any] = {"project": str(project), "mountpoint": str(mnt)}
     try:
         with Client(runtime) as client:
-            volume = client.create_volume("image-work", base=project)
-            result["volume"] = volume["id"]
-            client.mount(volume["id"], mnt)
+            green = client.create_green("image", base=project)  # captured: v0
+            work = client.create_work(green, "agent-1")
+            result["green"], result["volume"] = green, work["id"]
+            client.mount(work["id"], mnt)
             try:
                 result["listing"] = sorted(os.listdir(mnt))
                 conf = mnt / "image.conf"
@@ -94,15 +108,31 @@ def run_workspace_demo() -> dict[str, Any]:
                 _run(["make", "-s"], mnt)
                 result["program_output"] = _run(["./app"], mnt).strip()
                 result["git_log"] = _run(["git", "log", "--oneline"], mnt).strip()
-                snapshot = client.snapshot(volume["id"])
-                attempt = client.clone(snapshot, "image-work-attempt-2")
+                snapshot = client.snapshot(work["id"])
+                attempt = client.clone(snapshot, "agent-1-attempt-2")
                 result["snapshot"] = snapshot
                 result["clone"] = attempt["id"]
                 result["clone_reads"] = client.read(attempt["id"], "/image.conf").decode()
-                result["counters"] = client.counters(volume["id"])
+                result["counters"] = client.counters(work["id"])
                 result["mounts"] = client.status()["mounts"]
+                # Two more agents edit the same file through the SDK, from v0.
+                cache = client.create_work(green, "agent-2")
+                client.edit(cache["id"], "/image.conf", 17, 20, b"on")  # cache=off -> on
+                rival = client.create_work(green, "agent-3")
+                client.edit(rival["id"], "/image.conf", 8, 10, b"60")  # the same 80 -> 60
+                result["submits"] = {
+                    name: _outcome(client.submit(vid))  # agent-1's runs the mount's barrier first
+                    for name, vid in (
+                        ("agent-2", cache["id"]),
+                        ("agent-1", work["id"]),
+                        ("agent-3", rival["id"]),
+                    )
+                }
             finally:
                 client.unmount(mnt)
+            result["head"] = client.versions(green)
+            result["head_image_conf"] = client.read(green, "/image.conf").decode()
+            result["changed"] = client.changed_since(green, 0)
         result["image_conf_on_disk"] = (project / "image.conf").read_text()
         result["project_unchanged"] = _digest(project) == before
     finally:

@@ -249,4 +249,20 @@ def test_workspace_demo_mounts_a_real_workspace() -> None:
     assert observed["clone_reads"] == "quality=90\ncache=off\n"
     assert observed["project_unchanged"] is True
     assert [m["volume"] for m in observed["mounts"]] == [observed["volume"]]
+    submits = observed["submits"]
+    assert [submits[a]["version"] for a in ("agent-2", "agent-1")] == [1, 2]
+    (conflict,) = submits["agent-3"]["conflicts"]
+    assert (conflict["kind"], conflict["path"], conflict["base"]) == (
+        "overlap",
+        "/image.conf",
+        [8, 10],
+    )
+    assert (conflict["base_bytes"], conflict["accepted"], conflict["proposed"]) == (
+        "80",
+        "90",
+        "60",
+    )
+    assert observed["head"] == 2
+    assert observed["head_image_conf"] == "quality=90\ncache=on\n"
+    assert {"/image.conf", "/src/decoder.c", "/app", "/.git/HEAD"} <= set(observed["changed"])
     assert not Path(observed["mountpoint"]).exists()  # cleaned up

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from slates.core.extents import PAGE, BaseSpan, ChunkSpan, PageSpan, stored_length
+from slates.core.origin import edit_spans
 from slates.core.records import Kind
 from slates.core.volume import ROOT_INO, DirBody, FileBody, Volume, _metadata
 
@@ -88,6 +89,16 @@ def check_invariants(volume: Volume) -> None:
                 elif not isinstance(extent, BaseSpan):
                     raise AssertionError("unknown extent type")
         referenced += stored_length(body.extents, body.size)
+        if body.origin is not None and body.origin[0] == root.record_gen:
+            pieces = body.origin[1]
+            if sum(pieces[1::2]) != body.size:
+                raise AssertionError(f"inode {ino}: its recorded origin is not its size")
+            edit_spans(
+                pieces,
+                max(
+                    [0] + [s + n for s, n in zip(pieces[::2], pieces[1::2], strict=True) if s >= 0]
+                ),
+            )
     for ino, inode in root.inodes.items():
         if inode.kind != Kind.DIR and ino != ROOT_INO:
             if names.get(ino, 0) != inode.nlink and not (

@@ -506,6 +506,16 @@ class Volume:
         )
         return cls(host, root, base=snapshot.base, capacity=capacity)
 
+    def adopt_handles(self, previous: Volume) -> None:
+        """Carry the open handles of the volume this one replaces (a green volume's new head).
+
+        Handles on inodes the new root no longer has are dropped: nothing can
+        reach them any more, and the kernel's forget for them finds nothing.
+        """
+        for ino, count in previous._handles.items():
+            if ino in self.root.inodes:
+                self._handles[ino] = count
+
     def close(self) -> None:
         """Release this volume's pages, metadata charge and quota reservation."""
         if self._closed:

@@ -449,6 +449,13 @@ def _xattrs(value: Any, removable: bool) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
+def _kind(value: Any) -> Kind:
+    try:
+        return Kind(_number(value))
+    except ValueError:
+        raise InvalidArgument("an unknown kind in a change", kind=value) from None
+
+
 def changes_from_wire(raw: Any) -> tuple[Change, ...]:
     """Decode and validate changes (from the journal or a checkpoint)."""
     if not isinstance(raw, list):
@@ -480,7 +487,7 @@ def changes_from_wire(raw: Any) -> tuple[Change, ...]:
                         _number(parent),
                         _name(name),
                         _path(path),
-                        Kind(_number(kind)),
+                        _kind(kind),
                         _number(mode),
                         data,
                         _xattrs(xattrs, removable=False),
@@ -502,9 +509,7 @@ def changes_from_wire(raw: Any) -> tuple[Change, ...]:
                 )
             case ["remove", ino, parent, name, path, kind]:
                 out.append(
-                    Remove(
-                        _number(ino), _number(parent), _name(name), _path(path), Kind(_number(kind))
-                    )
+                    Remove(_number(ino), _number(parent), _name(name), _path(path), _kind(kind))
                 )
             case _:
                 raise InvalidArgument("a malformed change", change=repr(item)[:80])

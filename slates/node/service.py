@@ -577,6 +577,7 @@ class ShardService:
             del self._events[mark:]
             fresh.close()
             raise
+        fresh.adopt_handles(old)
         old.close()
         self.volumes[vid] = fresh
         self.collect_due = True
@@ -590,7 +591,7 @@ class ShardService:
         if conflicts:
             return {"ok": False, "version": None, "conflicts": conflicts}
         if not changes:  # nothing, or only what the head holds already
-            return {"ok": True, "version": len(ledger) - 1, "conflicts": []}
+            return {"ok": True, "version": len(ledger) - 1, "conflicts": [], "rebased": False}
         head = ledger[-1]
         fresh, applied = self._restart_as(green, head.snapshot_id, changes, now)
         snapshot = fresh.snapshot(self._new_id("snap"))
@@ -604,7 +605,14 @@ class ShardService:
                 merge_changes.changes_to_wire(applied),
             ]
         )
-        return {"ok": True, "version": len(ledger) - 1, "conflicts": []}
+        # The work volume moves onto the version it made, so its next submission
+        # holds only what it changes from now on.  A mounted one keeps its base:
+        # the kernel holds its inode numbers, which a restart would reassign.
+        rebased = not volume.held_inodes()
+        if rebased:
+            self._restart_as(vid, snapshot.snapshot_id, (), now)
+            self._emit(["based", vid, len(ledger) - 1])
+        return {"ok": True, "version": len(ledger) - 1, "conflicts": [], "rebased": rebased}
 
     def _rebase(self, args: dict[str, Any], now: int) -> dict[str, Any]:
         vid, volume, green, base = self._work(args)
@@ -732,6 +740,7 @@ class ShardService:
                 fresh = Volume.clone(
                     self.snapshots[snapshot_id], self.host, Capacity(old.bounded, old.limit)
                 )
+                fresh.adopt_handles(old)
                 old.close()
                 self.volumes[vid] = fresh
                 self._watch(vid, fresh)

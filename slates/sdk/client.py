@@ -419,6 +419,83 @@ class AsyncClient:
         result: dict[str, Any] = await self._on(volume, "seal", volume=volume)
         return result
 
+    # -- green and work volumes ------------------------------------------------------
+
+    async def create_green(
+        self,
+        name: str,
+        *,
+        base: str | os.PathLike[str] | None = None,
+        bounded: int | None = None,
+        dynamic: int | None = None,
+        case_insensitive: bool = False,
+    ) -> str:
+        """A green volume (version 0): empty, or a captured copy of `base`; returns its id."""
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument("a green volume needs a name")
+        args: dict[str, Any] = {"name": name, "case_insensitive": case_insensitive}
+        if base is not None:
+            args["base"] = str(Path(base).resolve())
+        for key, value in (("bounded", bounded), ("dynamic", dynamic)):
+            if _size(value, key) is not None:
+                args[key] = value
+        result = await self.call(self._home(name), "green.create", **args)
+        return str(result["id"])
+
+    async def create_work(
+        self,
+        green: str,
+        name: str,
+        *,
+        version: int | None = None,
+        bounded: int | None = None,
+        dynamic: int | None = None,
+    ) -> dict[str, Any]:
+        """A work volume on a green version (the head by default): O(1), nothing copied.
+
+        Returns its description with `id` and `base` (the version it started from).
+        """
+        args: dict[str, Any] = {"green": green, "name": name}
+        if version is not None:
+            args["version"] = version
+        for key, value in (("bounded", bounded), ("dynamic", dynamic)):
+            if _size(value, key) is not None:
+                args[key] = value
+        result: dict[str, Any] = await self._on(green, "work.create", **args)
+        return result
+
+    async def submit(self, work: str) -> dict[str, Any]:
+        """Offer a work volume's changes to its green volume.
+
+        Mounts of the work volume write back first (the attachment barrier),
+        then the shard seals it and maps its changes through every version
+        accepted since its base.  Returns `ok`, `version` (the new head, or
+        None) and `conflicts`; on a conflict nothing changes anywhere.
+        """
+        await self._barrier(work)
+        result: dict[str, Any] = await self._on(work, "submit", volume=work)
+        return result
+
+    async def rebase(self, work: str) -> dict[str, Any]:
+        """Move a work volume onto its green head, keeping its changes; publishes nothing."""
+        await self._barrier(work)
+        result: dict[str, Any] = await self._on(work, "rebase", volume=work)
+        return result
+
+    async def versions(self, green: str) -> int:
+        """The green volume's head version."""
+        return int((await self.ledger(green, limit=0))["head"])
+
+    async def ledger(self, green: str, *, limit: int = 100) -> dict[str, Any]:
+        """The head and the last `limit` versions, each with its base and changed paths."""
+        result: dict[str, Any] = await self._on(green, "versions", green=green, limit=limit)
+        return result
+
+    async def changed_since(self, green: str, version: int) -> list[str]:
+        """Paths changed by the versions after `version`."""
+        result = await self._on(green, "changed_since", green=green, version=version)
+        return [str(path) for path in result]
+
     # -- files ------------------------------------------------------------------
 
     async def read(self, volume: str, path: str, offset: int = 0, size: int | None = None) -> bytes:
