@@ -299,13 +299,22 @@ class SealReport:
     bytes_sealed: int
 
 
-def chunk_ids(root: Root) -> Iterator[bytes]:
-    """Every chunk a root refers to (for the host's garbage collection)."""
-    for inode in root.inodes.values():
-        if isinstance(inode.body, FileBody):
-            for extent in inode.body.extents:
-                if isinstance(extent, ChunkSpan):
-                    yield extent.chunk_id
+def chunk_ids(*roots: Root) -> Iterator[bytes]:
+    """Every chunk the roots refer to (for the host's garbage collection).
+
+    Roots that share inodes (a volume, its snapshots and their clones) are
+    walked once per distinct inode object, not once per root.
+    """
+    seen: set[int] = set()
+    for root in roots:
+        for inode in root.inodes.values():
+            if id(inode) in seen:
+                continue
+            seen.add(id(inode))
+            if isinstance(inode.body, FileBody):
+                for extent in inode.body.extents:
+                    if isinstance(extent, ChunkSpan):
+                        yield extent.chunk_id
 
 
 _EMPTY_ENTRIES: immutables.Map[str, Entry] = immutables.Map()

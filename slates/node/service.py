@@ -78,6 +78,7 @@ GREEN_REFUSES = frozenset(
     | {"fs.link", "fs.create", "fs.write", "fs.setxattr", "fs.removexattr", "fs.fallocate"}
     | {"fs.copy_file_range"}
 )
+GARBAGE_BATCH_BYTES = 4 << 20
 MAX_PATH_INDEXES = 16  # versions whose path index is kept for reporting
 
 
@@ -159,7 +160,9 @@ class ShardService:
         self.results: dict[str, dict[int, dict[str, Any]]] = {}
         self.acked: dict[str, int] = {}
         self.next_id = 1
-        self.collect_due = False
+        # Bytes that retired volumes may have left unreferenced: their own
+        # content since their last snapshot (older content belongs to snapshots).
+        self.garbage_bytes = 0
         self.greens: dict[str, list[Version]] = {}  # green volume id -> its ledger
         self.works: dict[str, tuple[str, int]] = {}  # work volume id -> (green, base version)
         self._path_indexes: dict[str, dict[int, str]] = {}  # snapshot id -> path index
@@ -578,9 +581,8 @@ class ShardService:
             fresh.close()
             raise
         fresh.adopt_handles(old)
-        old.close()
+        self._retire(old)
         self.volumes[vid] = fresh
-        self.collect_due = True
         return fresh, applied
 
     def _submit(self, args: dict[str, Any], now: int) -> dict[str, Any]:
@@ -665,7 +667,7 @@ class ShardService:
                 self.base_keys.setdefault(vid, event[3] if isinstance(event[3], str) else None)
                 self.failed[vid] = exc
                 self._saw_id(vid)
-        self.collect_garbage()
+        self.collect_garbage(force=True)
 
     def _apply_event(self, event: Event, *, live: bool) -> None:
         match event:
@@ -741,10 +743,9 @@ class ShardService:
                     self.snapshots[snapshot_id], self.host, Capacity(old.bounded, old.limit)
                 )
                 fresh.adopt_handles(old)
-                old.close()
+                self._retire(old)
                 self.volumes[vid] = fresh
                 self._watch(vid, fresh)
-                self.collect_due = True
             case ["drop", str(vid)]:
                 self.greens.pop(vid, None)
                 self.works.pop(vid, None)
@@ -753,8 +754,7 @@ class ShardService:
                 self.base_keys.pop(vid, None)
                 self.failed.pop(vid, None)
                 if dropped is not None:
-                    dropped.close()
-                    self.collect_due = True  # after the drop is committed, not before
+                    self._retire(dropped)  # collected after the drop is committed
             case ["done", str(client), int(seq), dict(reply)]:
                 self.results.setdefault(client, {})[seq] = reply
             case ["bye", str(client)]:
@@ -779,13 +779,23 @@ class ShardService:
     def _base_key_of(self, snapshot: Snapshot) -> str | None:
         return getattr(snapshot.base, "root", None) if snapshot.base is not None else None
 
-    def collect_garbage(self) -> None:
-        """Free chunks no volume or snapshot refers to (call once the drop is committed)."""
-        if not self.collect_due:
+    def _retire(self, volume: Volume) -> None:
+        self.garbage_bytes += volume.unique_bytes
+        volume.close()
+
+    def collect_garbage(self, *, force: bool = False) -> None:
+        """Free chunks no volume or snapshot refers to (call once the drop is committed).
+
+        A collection walks every distinct inode on the shard, so it runs once
+        retired volumes may have left GARBAGE_BATCH_BYTES behind (or when
+        forced): at most that much waits to be freed, and a submission does
+        not pay for a walk of the whole ledger.
+        """
+        if not self.garbage_bytes or (self.garbage_bytes < GARBAGE_BATCH_BYTES and not force):
             return
-        self.collect_due = False
+        self.garbage_bytes = 0
         roots = [v.root for v in self.volumes.values()] + [s.root for s in self.snapshots.values()]
-        self.host.collect(chunk_ids(root) for root in roots)
+        self.host.collect([chunk_ids(*roots)])
 
     # -- views ----------------------------------------------------------------
 
