@@ -497,12 +497,20 @@ def run_bridge(
     auto_unmount: bool = False,
     writeback: bool = True,
     counters: str | os.PathLike[str] | None = None,
+    uncached: bool = False,
 ) -> None:
-    """Connect, probe, mount, serve until told to stop, unmount."""
+    """Connect, probe, mount, serve until told to stop, unmount.
+
+    uncached=True sets the kernel's entry and attribute timeouts to 0, so
+    every lookup and stat reaches the shard (for measuring per-request
+    latency, bench/scaling_bench.py); the default keeps them for a day.
+    """
     global _ACTIVE
     where = check_mountpoint(mountpoint)
     bridge = Bridge(Runtime(runtime_dir), volume)
     bridge.configure()
+    if uncached and lib.bridge_set_cache_timeout(0.0) < 0:
+        raise InvalidArgument("cannot turn the kernel's entry and attribute caches off")
     if counters is not None:
         bridge.use_counter_file(counters)
     _ACTIVE = bridge
@@ -545,6 +553,11 @@ def main(argv: list[str] | None = None) -> int:
         help="write through to the shard on every write(2) (no dirty pages in the kernel)",
     )
     parser.add_argument("--counters", default=None, help="file to keep the request counters in")
+    parser.add_argument(
+        "--uncached",
+        action="store_true",
+        help="entry and attribute timeouts 0: every lookup and stat asks the shard (benchmarks)",
+    )
     args = parser.parse_args(argv)
     # Before the C loop owns the signals, a SIGTERM must still unwind (and unmount).
     signal.signal(signal.SIGTERM, _terminate)
@@ -559,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             auto_unmount=args.auto_unmount,
             writeback=not args.no_writeback_cache,
             counters=args.counters,
+            uncached=args.uncached,
         )
     except SlatesError as exc:
         details = " ".join(f"{k}={v}" for k, v in exc.details.items())

@@ -143,6 +143,7 @@ class Anchor:
 
     def prepare(self) -> None:
         self.runtime.prepare()
+        self.runtime.ensure_approver_key()
         try:
             state = self.runtime.read_state()
         except SlatesError:
@@ -183,6 +184,7 @@ class Anchor:
             "--arena-fd", str(arena),
             "--listen-fd", str(listen),
             "--capacity", str(self.capacity // self.shard_count),
+            "--approver-key", str(self.runtime.approver_key_file),
         ]  # fmt: skip
         slot.process = subprocess.Popen(command, pass_fds=slot.fds)
 

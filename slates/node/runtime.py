@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,26 @@ class Runtime:
 
     def shard_socket(self, index: int) -> Path:
         return self.path / f"shard-{index}.sock"
+
+    @property
+    def approver_key_file(self) -> Path:
+        """The approver credential: only the approval interface reads it (owner-only, 0600)."""
+        return self.path / "approver.key"
+
+    def ensure_approver_key(self) -> Path:
+        """Create the approver credential at first start; keep it across restarts."""
+        path = self.approver_key_file
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            if stat.S_IMODE(path.lstat().st_mode) & 0o077 or not path.is_file():
+                raise AccessDenied(
+                    "the approver credential is not private", path=str(path)
+                ) from None
+            return path
+        with os.fdopen(fd, "wb") as out:
+            out.write(secrets.token_hex(32).encode())
+        return path
 
     @property
     def log_file(self) -> Path:

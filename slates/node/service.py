@@ -56,9 +56,11 @@ from slates.errors import (
     VerificationFailed,
     error_from_wire,
 )
+from slates.land.manifest import Manifest
 from slates.merge import changes as merge_changes
 from slates.merge import tree as merge_tree
 from slates.node.fsops import run_fs_op
+from slates.node.landing import LandingDesk
 from slates.node.protocol import Request, error_reply, ok_reply
 
 __all__ = ["ShardService", "MAX_UNACKED", "READ_ONLY_OPS", "shard_of"]
@@ -96,8 +98,8 @@ class Version:
 def shard_of(object_id: str) -> int:
     """The shard that owns a volume or snapshot id."""
     parts = object_id.split("-")
-    if len(parts) != 3 or parts[0] not in ("vol", "snap") or not parts[1].isdigit():
-        raise InvalidArgument("malformed volume or snapshot id", id=object_id)
+    if len(parts) != 3 or parts[0] not in ("vol", "snap", "man") or not parts[1].isdigit():
+        raise InvalidArgument("malformed volume, snapshot or manifest id", id=object_id)
     return int(parts[1])
 
 
@@ -148,7 +150,13 @@ def _capacity(args: dict[str, Any]) -> Capacity:
 
 
 class ShardService:
-    def __init__(self, index: int, host: Host, open_base: Callable[[str], BaseReader]) -> None:
+    def __init__(
+        self,
+        index: int,
+        host: Host,
+        open_base: Callable[[str], BaseReader],
+        approver_key: bytes | None = None,
+    ) -> None:
         self.index = index
         self.host = host
         self.open_base = open_base
@@ -166,6 +174,7 @@ class ShardService:
         self.greens: dict[str, list[Version]] = {}  # green volume id -> its ledger
         self.works: dict[str, tuple[str, int]] = {}  # work volume id -> (green, base version)
         self._path_indexes: dict[str, dict[int, str]] = {}  # snapshot id -> path index
+        self.desk = LandingDesk(approver_key)
         self._events: list[Event] = []
         self._client = ""
 
@@ -284,6 +293,8 @@ class ShardService:
                 return self._rebase(args, now)
             case "versions":
                 return self._versions(args)
+            case op if op.startswith("land."):
+                return self._land(op, args)
             case "changed_since":
                 green, ledger = self._green(args)
                 since = _int_arg(args, "version")
@@ -647,6 +658,145 @@ class ShardService:
             ],
         }
 
+    # -- landing --------------------------------------------------------------
+
+    def _manifest_ref(self, manifest_id: str) -> str:
+        return f"man-{self.index}-{manifest_id}"
+
+    def _manifest_arg(self, args: dict[str, Any]) -> Manifest:
+        ref = _str_arg(args, "manifest")
+        parts = ref.split("-")
+        if len(parts) != 3 or parts[0] != "man" or parts[1] != str(self.index):
+            raise InvalidArgument("malformed manifest id for this shard", manifest=ref)
+        return self.desk.manifest(parts[2])
+
+    def _manifest_view(self, manifest: Manifest) -> dict[str, Any]:
+        return {
+            "manifest": self._manifest_ref(manifest.manifest_id),
+            "id": manifest.manifest_id,
+            "source": manifest.source,
+            "target": manifest.target,
+            "entries": [
+                {
+                    "path": e.path,
+                    "witnessed": None if e.witnessed is None else e.witnessed.to_wire(),
+                    "proposed": None if e.proposed is None else e.proposed.to_wire(),
+                }
+                for e in manifest.entries
+            ],
+        }
+
+    def _reader(self, root: Any) -> Volume:
+        return Volume(self.host, root)
+
+    def _land(self, op: str, args: dict[str, Any]) -> Any:
+        match op:
+            case "land.plan":
+                return self._manifest_view(self._land_plan(args))
+            case "land.show":
+                return self._manifest_view(self._manifest_arg(args))
+            case "land.read_base":
+                manifest = self._manifest_arg(args)
+                return self.desk.read_base(manifest, _str_arg(args, "path"))
+            case "land.content":
+                manifest = self._manifest_arg(args)
+                path = _str_arg(args, "path").strip("/")
+                return {
+                    "proposed": self._proposed_content(manifest, path),
+                    "disk": self.desk.read_base(manifest, path),
+                }
+            case "land.rewitness":
+                manifest = self._manifest_arg(args)
+                paths = args.get("paths")
+                if paths is not None and not (
+                    isinstance(paths, list) and all(isinstance(p, str) for p in paths)
+                ):
+                    raise InvalidArgument("paths must be a list of paths")
+                observed = self.desk.observe(manifest, paths)
+                renewed = self.desk.register(manifest.rewitnessed(observed), self._emit)
+                return self._manifest_view(renewed)
+            case "land.grant":
+                manifest = self._manifest_arg(args)
+                token = self.desk.grant(manifest.manifest_id, args.get("credential"), self._emit)
+                return {"grant": token, "manifest": self._manifest_ref(manifest.manifest_id)}
+            case "land.apply":
+                manifest = self._manifest_arg(args)
+                result = self.desk.land(
+                    manifest,
+                    _str_arg(args, "grant"),
+                    lambda path: self._proposed_content(manifest, path),
+                    self._emit,
+                )
+                result["manifest"] = self._manifest_ref(manifest.manifest_id)
+                return result
+            case _:
+                raise InvalidArgument("unknown operation", op=op)
+
+    def _land_plan(self, args: dict[str, Any]) -> Manifest:
+        vid, volume = self._volume(args)
+        target = _str_arg(args, "target")
+        if not target.startswith("/"):
+            raise InvalidArgument("the target is an absolute directory path", target=target)
+        paths = args.get("paths")
+        if paths is not None and not (
+            isinstance(paths, list) and all(isinstance(p, str) for p in paths)
+        ):
+            raise InvalidArgument("paths must be a list of paths")
+        if vid in self.greens:
+            ledger = self.greens[vid]
+            version = _int_arg(args, "version", len(ledger) - 1)
+            if version >= len(ledger):
+                raise NotFound("no such version", green=vid, version=version)
+            source, witness = ledger[version].snapshot_id, ledger[0].snapshot_id
+        elif vid in self.works and self.works[vid][0] in self.greens:
+            source = volume.snapshot(self._new_id("snap")).snapshot_id
+            witness = self.greens[self.works[vid][0]][0].snapshot_id
+        else:
+            raise InvalidArgument(
+                "a landing plan needs a green or work volume (its version 0 is the witness)",
+                volume=vid,
+            )
+        readers: dict[int, Volume] = {}
+
+        def read(root: Any, ino: int) -> bytes:
+            reader = readers.get(id(root))
+            if reader is None:
+                reader = readers[id(root)] = self._reader(root)
+            return reader.read(ino, 0, reader.getattr(ino).size)
+
+        try:
+            manifest = LandingDesk.plan(
+                self.snapshots[witness].root,
+                self.snapshots[source].root,
+                source,
+                posixpath.normpath(target),
+                read,
+                [str(p) for p in paths] if paths else None,
+            )
+        finally:
+            for reader in readers.values():
+                reader.close()
+        return self.desk.register(manifest, self._emit)
+
+    def _proposed_content(self, manifest: Manifest, path: str) -> bytes | None:
+        snapshot = self.snapshots.get(manifest.source)
+        if snapshot is None:
+            raise MissingContent("the landing's snapshot is gone", snapshot=manifest.source)
+        reader = self._reader(snapshot.root)
+        try:
+            try:
+                ino = reader.resolve("/" + path)
+            except NotFound:
+                return None
+            attr = reader.getattr(ino)
+            if attr.kind == Kind.SYMLINK:
+                return reader.readlink(ino).encode("utf-8", "surrogateescape")
+            if attr.kind == Kind.DIR:
+                return None
+            return reader.read(ino, 0, attr.size)
+        finally:
+            reader.close()
+
     # -- events ---------------------------------------------------------------
 
     def replay(self, events: Iterable[Event]) -> None:
@@ -725,6 +875,8 @@ class ShardService:
                 finally:
                     volume.on_applied = hook
                 self._after_record(record, result)
+            case ["plan", _] | ["grant", _, _] | ["grant_used", _]:
+                self.desk.apply_event(event)
             case ["green", str(vid), str(snapshot_id)]:
                 self.greens[vid] = [Version(0, snapshot_id, -1, "", ())]
             case ["work", str(vid), str(green), int(version)]:
@@ -855,6 +1007,7 @@ class ShardService:
                 for green, ledger in self.greens.items()
             },
             "works": {vid: list(found) for vid, found in self.works.items()},
+            "landing": self.desk.to_wire(),
         }
         out: bytes = msgpack.packb({"state": state, "meta": meta}, use_bin_type=True)
         return out
@@ -889,6 +1042,7 @@ class ShardService:
                 for green, entries in meta["greens"].items()
             }
             works = {vid: (str(g), int(v)) for vid, (g, v) in meta["works"].items()}
+            self.desk.restore(meta["landing"])
         except (KeyError, TypeError, ValueError) as exc:
             raise VerificationFailed("the checkpoint is malformed", reason=str(exc)) from None
         self.failed = {vid: error_from_wire(wire) for vid, wire in failed.items()}

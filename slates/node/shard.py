@@ -109,12 +109,13 @@ class Shard:
         checkpoint_fd: int,
         arena_fd: int,
         capacity: int,
+        approver_key: bytes | None = None,
     ) -> None:
         self.index = index
         self.journal = Journal(Segment(journal_fd))
         self.checkpoints = Checkpoints(Segment(checkpoint_fd))
         self.host = Host(capacity=capacity, chunks=ArenaChunks(Segment(arena_fd)))
-        self.service = ShardService(index, self.host, LiveDirectory)
+        self.service = ShardService(index, self.host, LiveDirectory, approver_key)
         self.connections = 0
         self.watchers: dict[str, set[Watcher]] = {}
         self.pending: dict[str, list[list[Any]]] = {}
@@ -447,9 +448,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arena-fd", type=int, required=True)
     parser.add_argument("--listen-fd", type=int, required=True)
     parser.add_argument("--capacity", type=int, required=True)
+    parser.add_argument("--approver-key", default=None, help="the approver credential file")
     args = parser.parse_args(argv)
     _die_with_parent()
-    shard = Shard(args.index, args.journal_fd, args.checkpoint_fd, args.arena_fd, args.capacity)
+    key = None
+    if args.approver_key:
+        with open(args.approver_key, "rb") as credential:
+            key = credential.read().strip()
+    shard = Shard(
+        args.index, args.journal_fd, args.checkpoint_fd, args.arena_fd, args.capacity, key
+    )
     started = time.monotonic()
     replayed = shard.recover()
     _log(

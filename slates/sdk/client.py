@@ -496,6 +496,61 @@ class AsyncClient:
         result = await self._on(green, "changed_since", green=green, version=version)
         return [str(path) for path in result]
 
+    # -- landing (requesting only: no call here approves) -------------------------
+
+    async def land_plan(
+        self,
+        volume: str,
+        target: str | os.PathLike[str],
+        *,
+        paths: list[str] | None = None,
+        version: int | None = None,
+    ) -> dict[str, Any]:
+        """A landing plan: the manifest that would write a green version (or a work
+        volume, snapshotted now) into `target`, entry by entry, with its id.
+
+        Landing it needs a human's approval (`slates land approve MANIFEST`).
+        """
+        args: dict[str, Any] = {"volume": volume, "target": str(Path(target).resolve())}
+        if paths is not None:
+            args["paths"] = list(paths)
+        if version is not None:
+            args["version"] = version
+        result: dict[str, Any] = await self._on(volume, "land.plan", **args)
+        return result
+
+    async def land_show(self, manifest: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._on(manifest, "land.show", manifest=manifest)
+        return result
+
+    async def land_content(self, manifest: str, path: str) -> dict[str, bytes | None]:
+        """The proposed bytes of one entry and what the disk holds there now."""
+        result: dict[str, bytes | None] = await self._on(
+            manifest, "land.content", manifest=manifest, path=path
+        )
+        return result
+
+    async def read_base(self, manifest: str, path: str) -> bytes | None:
+        """What the target directory holds at `path` now (None when absent)."""
+        result = await self._on(manifest, "land.read_base", manifest=manifest, path=path)
+        return None if result is None else bytes(result)
+
+    async def rewitness(self, manifest: str, paths: list[str] | None = None) -> dict[str, Any]:
+        """Record what the disk holds now as the witness (after review): a new manifest,
+        which needs a new approval.  Changes neither the proposal nor the disk."""
+        args: dict[str, Any] = {"manifest": manifest}
+        if paths is not None:
+            args["paths"] = list(paths)
+        result: dict[str, Any] = await self._on(manifest, "land.rewitness", **args)
+        return result
+
+    async def land_apply(self, manifest: str, grant: str) -> dict[str, Any]:
+        """Land an approved manifest with its grant (issued only by the approval interface)."""
+        result: dict[str, Any] = await self._on(
+            manifest, "land.apply", manifest=manifest, grant=grant
+        )
+        return result
+
     # -- files ------------------------------------------------------------------
 
     async def read(self, volume: str, path: str, offset: int = 0, size: int | None = None) -> bytes:

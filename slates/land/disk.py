@@ -1,0 +1,323 @@
+"""Writing a landing to the target directory: one entry at a time, each old or new.
+
+Theory of operation (DESIGN.md section 6).  `Target` opens the target
+directory, takes the target lease (an exclusive flock on the directory,
+so Slates' own landings into one directory are serialized), and reaches
+every path component by component with O_NOFOLLOW: a symlink anywhere on
+the way is refused, so no entry can write outside the target.
+
+Every entry is decided by slates.land.manifest.decide against the disk
+*now*, and replaced so that a reader sees the old or the new entry, never
+a torn one: the new content is written to a temporary name beside it and
+fsynced, then swapped in with renameat2(RENAME_EXCHANGE) (or
+RENAME_NOREPLACE for a new name), and the directory is fsynced.  The
+entry that comes out of the swap is checked again against the witness: if
+someone changed the file between the decision and the swap, it is swapped
+back and reported as a conflict, so an outside writer's bytes are never
+replaced.  Removals move the entry aside first and check it the same way.
+
+A temporary name left by a crash (".slates-land-...") is removed by the
+next landing into that directory.  Called by slates.node.service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import signal
+import stat
+import time
+from collections.abc import Iterator
+from types import TracebackType
+
+import blake3
+
+from slates.errors import AccessDenied, InvalidArgument, LandingConflict, NotFound
+from slates.land.manifest import Decision, Entry, State, check_relative, decide
+
+__all__ = ["Target", "state_of_bytes", "TEMP_PREFIX", "LEASE_SECONDS"]
+
+TEMP_PREFIX = ".slates-land-"
+LEASE_SECONDS = 30.0
+MAX_READ = 16 << 20
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _renameat2(src_dir: int, src: str, dst_dir: int, dst: str, flags: int) -> None:
+    if _libc.renameat2(src_dir, src.encode(), dst_dir, dst.encode(), flags) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), dst)
+
+
+def state_of_bytes(kind: str, data: bytes, mode: int) -> State:
+    return State(kind, blake3.blake3(data).hexdigest(), mode & 0o7777)
+
+
+def _failpoint() -> None:
+    """Tests: SIGKILL this process after an entry, once (while the file named by
+    SLATES_LAND_CRASH_ONCE exists)."""
+    flag = os.environ.get("SLATES_LAND_CRASH_ONCE")
+    if flag and os.path.exists(flag):
+        os.unlink(flag)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Target:
+    """A target directory under the lease; use as a context manager."""
+
+    def __init__(self, path: str, *, lease: bool = True) -> None:
+        if not os.path.isabs(path):
+            raise InvalidArgument("the target must be an absolute directory", target=path)
+        try:
+            self.fd = os.open(path, _DIR_FLAGS)
+        except FileNotFoundError:
+            raise NotFound("the target directory does not exist", target=path) from None
+        except OSError as exc:
+            raise InvalidArgument(
+                "the target is not a directory", target=path, reason=str(exc)
+            ) from None
+        self.path = path
+        self._cleaned: set[str] = set()
+        if lease:
+            self._lease()
+
+    def _lease(self) -> None:
+        deadline = time.monotonic() + LEASE_SECONDS
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise LandingConflict(
+                        "another landing holds the target's lease", target=self.path
+                    ) from None
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        os.close(self.fd)  # releases the lease
+
+    def __enter__(self) -> Target:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- walking ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _parent(self, path: str) -> Iterator[tuple[int, str]]:
+        """The directory fd holding `path` and the entry's name (no symlink on the way)."""
+        parts = check_relative(path).split("/")
+        fd = os.dup(self.fd)
+        try:
+            for part in parts[:-1]:
+                try:
+                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise AccessDenied(
+                            "a path component on disk is not a plain directory", path=path
+                        ) from None
+                    raise
+                os.close(fd)
+                fd = child
+            parent = "/".join(parts[:-1])
+            if parent not in self._cleaned:
+                self._clean(fd)
+                self._cleaned.add(parent)
+            yield fd, parts[-1]
+        finally:
+            os.close(fd)
+
+    def _clean(self, dir_fd: int) -> None:
+        """Remove what a crashed landing left beside its entries."""
+        for name in os.listdir(dir_fd):
+            if name.startswith(TEMP_PREFIX):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                        os.rmdir(name, dir_fd=dir_fd)
+                    else:
+                        os.unlink(name, dir_fd=dir_fd)
+
+    @staticmethod
+    def _state_at(dir_fd: int, name: str) -> State | None:
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISDIR(st.st_mode):
+            return State("dir", None, mode)
+        if stat.S_ISLNK(st.st_mode):
+            return state_of_bytes("symlink", os.readlink(name, dir_fd=dir_fd).encode(), 0o777)
+        if not stat.S_ISREG(st.st_mode):
+            return State("other", "", mode)  # never equal to a manifest state
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            digest = blake3.blake3()
+            while chunk := os.read(fd, 1 << 20):
+                digest.update(chunk)
+        finally:
+            os.close(fd)
+        return State("file", digest.hexdigest(), mode)
+
+    def state(self, path: str) -> State | None:
+        try:
+            with self._parent(path) as (dir_fd, name):
+                return self._state_at(dir_fd, name)
+        except FileNotFoundError:
+            return None
+
+    def read(self, path: str) -> bytes | None:
+        """What the disk holds at `path` now (None when absent); a symlink gives its target."""
+        try:
+            with self._parent(path) as (dir_fd, name):
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    return os.readlink(name, dir_fd=dir_fd).encode()
+                if stat.S_ISDIR(st.st_mode):
+                    raise InvalidArgument("a directory has no content", path=path)
+                if st.st_size > MAX_READ:
+                    raise InvalidArgument("read_base reads at most 16 MiB", path=path)
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                try:
+                    return os.read(fd, MAX_READ + 1)[:MAX_READ]
+                finally:
+                    os.close(fd)
+        except FileNotFoundError:
+            return None
+
+    # -- applying -----------------------------------------------------------------
+
+    def apply(self, entry: Entry, content: bytes | None) -> tuple[Decision, State | None]:
+        """Land one entry (content: the proposed bytes or link target); returns what happened."""
+        with self._parent(entry.path) as (dir_fd, name):
+            disk = self._state_at(dir_fd, name)
+            decision = decide(entry.witnessed, disk, entry.proposed)
+            if decision is Decision.APPLY:
+                decision = self._replace(dir_fd, name, entry, content)
+                os.fsync(dir_fd)
+                _failpoint()
+            return decision, disk
+
+    def _temp_name(self, name: str) -> str:
+        return f"{TEMP_PREFIX}{blake3.blake3(name.encode()).hexdigest()[:24]}"
+
+    def _replace(self, dir_fd: int, name: str, entry: Entry, content: bytes | None) -> Decision:
+        proposed, witnessed = entry.proposed, entry.witnessed
+        temp = self._temp_name(name)
+        if proposed is None:
+            return self._remove(dir_fd, name, temp, witnessed)
+        if (
+            witnessed is not None
+            and witnessed.kind == proposed.kind
+            and witnessed.digest == proposed.digest
+        ):
+            return self._chmod(dir_fd, name, proposed)
+        if proposed.kind == "dir":
+            if witnessed is not None:  # a file or link becomes a directory: move it aside first
+                outcome = self._remove(dir_fd, name, temp, witnessed)
+                if outcome is not Decision.APPLY:
+                    return outcome
+            try:
+                os.mkdir(name, proposed.mode, dir_fd=dir_fd)
+            except FileExistsError:
+                return Decision.CONFLICT
+            os.chmod(name, proposed.mode, dir_fd=dir_fd)
+            return Decision.APPLY
+        if content is None:
+            raise InvalidArgument("the proposal's content is missing", path=entry.path)
+        self._write_temp(dir_fd, temp, proposed, content)
+        if witnessed is None or witnessed.kind == "dir":
+            if witnessed is not None:
+                outcome = self._remove(dir_fd, name, temp + "d", witnessed)
+                if outcome is not Decision.APPLY:
+                    os.unlink(temp, dir_fd=dir_fd)
+                    return outcome
+            try:
+                _renameat2(dir_fd, temp, dir_fd, name, _RENAME_NOREPLACE)
+            except FileExistsError:
+                os.unlink(temp, dir_fd=dir_fd)
+                return Decision.CONFLICT  # something appeared meanwhile: leave it
+            return Decision.APPLY
+        try:
+            _renameat2(dir_fd, temp, dir_fd, name, _RENAME_EXCHANGE)
+        except FileNotFoundError:
+            os.unlink(temp, dir_fd=dir_fd)
+            return Decision.CONFLICT  # removed meanwhile
+        # `temp` now holds what was on disk an instant ago: was it still the witness?
+        if self._state_at(dir_fd, temp) != witnessed:
+            _renameat2(dir_fd, temp, dir_fd, name, _RENAME_EXCHANGE)
+            os.unlink(temp, dir_fd=dir_fd)
+            return Decision.CONFLICT
+        self._discard(dir_fd, temp)
+        return Decision.APPLY
+
+    def _write_temp(self, dir_fd: int, temp: str, proposed: State, content: bytes) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._discard(dir_fd, temp)
+        if proposed.kind == "symlink":
+            os.symlink(content.decode("utf-8", "surrogateescape"), temp, dir_fd=dir_fd)
+            return
+        fd = os.open(
+            temp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            proposed.mode,
+            dir_fd=dir_fd,
+        )
+        try:
+            view = memoryview(content)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchmod(fd, proposed.mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _discard(self, dir_fd: int, name: str) -> None:
+        if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            os.rmdir(name, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+
+    def _remove(self, dir_fd: int, name: str, temp: str, witnessed: State | None) -> Decision:
+        try:
+            _renameat2(dir_fd, name, dir_fd, temp, _RENAME_NOREPLACE)
+        except FileNotFoundError:
+            return Decision.CONFLICT
+        if self._state_at(dir_fd, temp) != witnessed:
+            with contextlib.suppress(OSError):  # put it back unless the name was taken meanwhile
+                _renameat2(dir_fd, temp, dir_fd, name, _RENAME_NOREPLACE)
+            return Decision.CONFLICT
+        try:
+            self._discard(dir_fd, temp)
+        except OSError as exc:
+            if exc.errno != errno.ENOTEMPTY:
+                raise
+            _renameat2(dir_fd, temp, dir_fd, name, _RENAME_NOREPLACE)  # something was added
+            return Decision.CONFLICT
+        return Decision.APPLY
+
+    def _chmod(self, dir_fd: int, name: str, proposed: State) -> Decision:
+        if proposed.kind == "symlink":
+            return Decision.APPLY  # links have no mode of their own
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(name, flags | (os.O_DIRECTORY if proposed.kind == "dir" else 0), dir_fd=dir_fd)
+        try:
+            os.fchmod(fd, proposed.mode)
+        finally:
+            os.close(fd)
+        return Decision.APPLY
