@@ -116,6 +116,10 @@ def register(group: click.Group, fail: Fail) -> None:
         group.add_command(command)
     for command in (green, work, submit, rebase, versions, changed):
         group.add_command(command)
+    from .land import land, read_base, rewitness  # it builds on this module's pieces
+
+    for command in (land, read_base, rewitness):
+        group.add_command(command)
 
 
 def _fail(error: SlatesError) -> NoReturn:

@@ -1,0 +1,268 @@
+"""The landing commands: `land`, `land approve`, `read-base`, `rewitness`.
+
+Theory of operation (DESIGN.md section 6).  `slates land VOLUME TARGET`
+asks the service for a plan and prints its manifest: one row per entry and
+a unified diff of each text file between what the disk holds now and the
+proposal.  It changes nothing.  `slates land approve MANIFEST` is the
+approval interface, the only place a grant is made: it shows the
+manifest, asks for confirmation on the controlling terminal (/dev/tty,
+never stdin, so a pipe from an agent cannot answer), reads the approver
+credential (RUNTIME/approver.key, owner-only) and then lands the manifest,
+printing every entry's outcome.  Exit codes: 0 when every entry landed,
+LANDING_EXIT (4) when some entry conflicted or failed, and main.py's 1/2
+for errors.  `read-base` prints what the disk holds; `rewitness` records
+it as the new witness and prints the new manifest, which needs its own
+approval.  Thin over the SDK (commands.py explains the shared pieces).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from slates.errors import AccessDenied, InvalidArgument
+from slates.node.runtime import Runtime
+from slates.node.service import shard_of
+from slates.sdk import Client
+
+from .commands import _client, _echo_json, _fail, json_option, resolve_volume, runtime_dir_option
+
+__all__ = ["land", "read_base", "rewitness", "LANDING_EXIT", "DIFF_LIMIT"]
+
+LANDING_EXIT = 4
+DIFF_LIMIT = 256 << 10  # larger files are summarized, not diffed
+
+
+class _LandGroup(click.Group):
+    """`land VOLUME TARGET` plans; `land approve MANIFEST` approves."""
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] not in self.commands:
+            args = ["plan", *args]
+        return super().resolve_command(ctx, args)
+
+
+@click.group(
+    cls=_LandGroup,
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+def land() -> None:
+    """Land a green version or a work volume into a directory, with a human's approval.
+
+    \b
+    slates land VOLUME TARGET [--path P]...   show the plan (changes nothing)
+    slates land approve MANIFEST              confirm at the terminal, then land it
+    """
+
+
+def _action(entry: dict[str, Any]) -> str:
+    old, new = entry["witnessed"], entry["proposed"]
+    if new is None:
+        return "delete"
+    if old is None:
+        return f"create {new[0]}"
+    if old[0] != new[0]:
+        return f"replace {old[0]} by {new[0]}"
+    if old[1] == new[1]:
+        return f"mode {old[2]:o} -> {new[2]:o}"
+    return f"modify {new[0]}"
+
+
+def _short(state: list[Any] | None) -> str:
+    if state is None:
+        return "absent"
+    kind, digest, mode = state
+    return f"{kind} {digest[:12] if digest else ''} {mode:o}".replace("  ", " ")
+
+
+def _manifest_table(plan: dict[str, Any], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in ("action", "path", "witnessed", "proposed"):
+        table.add_column(column)
+    for entry in plan["entries"]:
+        table.add_row(
+            _action(entry), entry["path"], _short(entry["witnessed"]), _short(entry["proposed"])
+        )
+    return table
+
+
+def _diff(path: str, disk: bytes | None, proposed: bytes | None) -> str:
+    old, new = disk or b"", proposed or b""
+    if len(old) > DIFF_LIMIT or len(new) > DIFF_LIMIT or b"\0" in old + new:
+        return f"{path}: {len(old):,} B on disk -> {len(new):,} B proposed (not shown)\n"
+    try:
+        old_text, new_text = old.decode(), new.decode()
+    except UnicodeDecodeError:
+        return f"{path}: binary, {len(old):,} B -> {len(new):,} B (not shown)\n"
+    lines = difflib.unified_diff(
+        old_text.splitlines(keepends=True),
+        new_text.splitlines(keepends=True),
+        f"disk/{path}" if disk is not None else "/dev/null",
+        f"proposed/{path}" if proposed is not None else "/dev/null",
+    )
+    return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+
+
+def _show(client: Client, plan: dict[str, Any], console: Console, title: str) -> None:
+    console.print(_manifest_table(plan, title))
+    for entry in plan["entries"]:
+        kinds = {s[0] for s in (entry["witnessed"], entry["proposed"]) if s is not None}
+        if kinds & {"dir"} or _action(entry).startswith("mode"):
+            continue
+        content = client.land_content(plan["manifest"], entry["path"])
+        click.echo(_diff(entry["path"], content["disk"], content["proposed"]), nl=False)
+
+
+@land.command("plan")
+@click.argument("volume_ref", metavar="VOLUME")
+@click.argument("target", type=click.Path(file_okay=False, exists=True))
+@click.option("--path", "paths", multiple=True, help="Land only this path (repeatable).")
+@click.option("--version", type=click.IntRange(0), default=None, help="A green version.")
+@runtime_dir_option
+@json_option
+def land_plan(
+    volume_ref: str,
+    target: str,
+    paths: tuple[str, ...],
+    version: int | None,
+    runtime_dir: str | None,
+    as_json: bool,
+) -> None:
+    """Show the plan to land VOLUME (a green head or version, or a work volume) into TARGET."""
+    with _client(runtime_dir) as client:
+        vid = resolve_volume(client, volume_ref)
+        plan = client.land_plan(vid, target, paths=list(paths) or None, version=version)
+        if as_json:
+            _echo_json(plan)
+            return
+        console = Console()
+        _show(client, plan, console, f"Landing plan {plan['manifest']}")
+    click.echo(
+        f"{len(plan['entries'])} entries; approve with: slates land approve {plan['manifest']}"
+    )
+
+
+def _confirm_on_terminal(manifest: str) -> None:
+    """A human types the manifest id's first characters on the controlling terminal."""
+    try:
+        tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        raise AccessDenied("approval needs a person at a terminal (no /dev/tty)") from None
+    expected = manifest.rsplit("-", 1)[-1][:8]
+    try:
+        prompt = f"Type {expected} to approve landing {manifest} (anything else refuses): "
+        os.write(tty, prompt.encode())
+        answer = b""
+        while not answer.endswith(b"\n") and len(answer) < 256:
+            piece = os.read(tty, 256)
+            if not piece:
+                break
+            answer += piece
+    finally:
+        os.close(tty)
+    if answer.decode(errors="replace").strip() != expected:
+        raise AccessDenied("the landing was not approved", manifest=manifest)
+
+
+def _credential(runtime_dir: str | None, path: str | None) -> bytes:
+    location = Path(path) if path else Runtime(runtime_dir).approver_key_file
+    try:
+        data = location.read_bytes().strip()
+    except OSError as exc:
+        raise AccessDenied(
+            "cannot read the approver credential", path=str(location), reason=exc.strerror
+        ) from None
+    if not data:
+        raise AccessDenied("the approver credential is empty", path=str(location))
+    return data
+
+
+def _outcomes(result: dict[str, Any]) -> Table:
+    table = Table(
+        title=f"Landing {result['manifest']} into {result['target']}", title_justify="left"
+    )
+    for column in ("outcome", "path", "disk before"):
+        table.add_column(column)
+    for entry in result["entries"]:
+        table.add_row(entry["outcome"], entry["path"], _short(entry["disk"]))
+    return table
+
+
+@land.command("approve")
+@click.argument("manifest")
+@click.option(
+    "--credential",
+    "credential_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The approver credential file (default: RUNTIME/approver.key).",
+)
+@runtime_dir_option
+@json_option
+def land_approve(
+    manifest: str, credential_file: str | None, runtime_dir: str | None, as_json: bool
+) -> None:
+    """Show MANIFEST, confirm at the terminal, and land it (the only way a grant is made)."""
+    with _client(runtime_dir) as client:
+        plan = client.land_show(manifest)
+        _show(client, plan, Console(stderr=True), f"Approve landing {manifest}?")
+        _confirm_on_terminal(manifest)
+        grant = client.call(
+            shard_of(manifest),
+            "land.grant",
+            manifest=manifest,
+            credential=_credential(runtime_dir, credential_file),
+        )
+        result = client.land_apply(manifest, grant["grant"])
+    if as_json:
+        _echo_json(result)
+    else:
+        Console().print(_outcomes(result))
+    if not result["complete"]:
+        click.echo(
+            f"error: LandingConflict: {result['conflicts']} conflicting entries left alone; "
+            "read-base and rewitness after review, then approve the new manifest",
+            err=True,
+        )
+        raise SystemExit(LANDING_EXIT)
+
+
+@click.command("read-base")
+@click.argument("manifest")
+@click.argument("path")
+@runtime_dir_option
+def read_base(manifest: str, path: str, runtime_dir: str | None) -> None:
+    """Print what MANIFEST's target directory holds at PATH now."""
+    with _client(runtime_dir) as client:
+        data = client.read_base(manifest, path)
+    if data is None:
+        _fail(InvalidArgument("the target holds nothing at this path", path=path))
+    sys.stdout.buffer.write(data)
+    sys.stdout.flush()
+
+
+@click.command()
+@click.argument("manifest")
+@click.option("--path", "paths", multiple=True, help="Rewitness only this path (repeatable).")
+@runtime_dir_option
+@json_option
+def rewitness(
+    manifest: str, paths: tuple[str, ...], runtime_dir: str | None, as_json: bool
+) -> None:
+    """Record what the disk holds now as MANIFEST's witness: a new manifest to approve."""
+    with _client(runtime_dir) as client:
+        renewed = client.rewitness(manifest, list(paths) or None)
+        if as_json:
+            _echo_json(renewed)
+            return
+        _show(client, renewed, Console(), f"New manifest {renewed['manifest']}")
+    click.echo(f"approve with: slates land approve {renewed['manifest']}")

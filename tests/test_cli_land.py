@@ -1,0 +1,151 @@
+"""The landing commands against a real anchor: plan, approval on a terminal, conflicts.
+
+Approval reads the controlling terminal, so these tests run `slates land
+approve` under a pseudo-terminal (pty.fork makes it the child's controlling
+terminal) and answer its prompt there; a run with no terminal, or with the
+answer piped to stdin, must approve nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slates import Client
+from tests.anchor_fixture import Service, service
+
+__all__ = ["service"]
+
+CLI = [sys.executable, "-m", "slates_cli.main"]
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    root = tmp_path / "project"
+    (root / "src").mkdir(parents=True)
+    (root / "image.conf").write_bytes(b"quality=80\ncache=off\n")
+    (root / "src" / "old.c").write_text("int old;\n")
+    return root
+
+
+def _accepted_green(service: Service, project: Path) -> str:
+    with Client(service.runtime) as client:
+        green = client.create_green("main", base=project)
+        work = client.create_work(green, "agent")["id"]
+        client.edit(work, "/image.conf", 8, 10, b"90")
+        client.write(work, "/src/new.c", b"int new;\n")
+        client.unlink(work, "/src/old.c")
+        assert client.submit(work)["ok"]
+        return green
+
+
+def _cli(service: Service, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args, "--runtime-dir", str(service.runtime)],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        start_new_session=True,  # no controlling terminal
+    )
+
+
+def _approve_on_a_terminal(service: Service, manifest: str, answer: str | None) -> tuple[int, str]:
+    """Run `land approve` with a pty as its terminal; type `answer` at the prompt."""
+    pid, master = pty.fork()
+    if pid == 0:  # the child: its controlling terminal is the pty
+        os.execv(
+            sys.executable,
+            [*CLI, "land", "approve", manifest, "--runtime-dir", str(service.runtime)],
+        )
+    seen = b""
+    answered = False
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    data = os.read(master, 4096)
+                except OSError:
+                    break  # the child closed the terminal
+                if not data:
+                    break
+                seen += data
+            if not answered and b"to approve landing" in seen and answer is not None:
+                os.write(master, answer.encode() + b"\n")
+                answered = True
+    finally:
+        os.close(master)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), seen.decode(errors="replace")
+
+
+def test_plan_shows_the_manifest_and_diffs_and_changes_nothing(
+    service: Service, project: Path
+) -> None:
+    green = _accepted_green(service, project)
+    done = _cli(service, "land", green, str(project))
+    assert done.returncode == 0, done.stderr
+    assert "-quality=80" in done.stdout and "+quality=90" in done.stdout
+    assert "src/new.c" in done.stdout and "delete" in done.stdout
+    assert "slates land approve man-" in done.stdout
+    plan = json.loads(_cli(service, "land", "--json", green, str(project)).stdout)
+    assert {e["path"] for e in plan["entries"]} == {"image.conf", "src/new.c", "src/old.c"}
+    only = json.loads(_cli(service, "land", green, str(project), "--path", "src", "--json").stdout)
+    assert {e["path"] for e in only["entries"]} == {"src/new.c", "src/old.c"}
+    assert only["manifest"] != plan["manifest"]  # another selection, another manifest
+    assert (project / "image.conf").read_bytes() == b"quality=80\ncache=off\n"
+    assert sorted(os.listdir(project / "src")) == ["old.c"]
+
+
+def test_approval_needs_the_terminal_and_lands_the_manifest(
+    service: Service, project: Path
+) -> None:
+    green = _accepted_green(service, project)
+    manifest = json.loads(_cli(service, "land", "--json", green, str(project)).stdout)["manifest"]
+    expected = manifest.rsplit("-", 1)[-1][:8]
+    # No terminal: an answer on stdin (an agent's pipe) approves nothing.
+    piped = _cli(service, "land", "approve", manifest, stdin=expected + "\n")
+    assert piped.returncode != 0 and "AccessDenied" in piped.stderr
+    # A wrong answer at the terminal approves nothing either.
+    code, _output = _approve_on_a_terminal(service, manifest, "nope")
+    assert code != 0
+    assert (project / "image.conf").read_bytes() == b"quality=80\ncache=off\n"
+    # The right answer lands every entry.
+    code, output = _approve_on_a_terminal(service, manifest, expected)
+    assert code == 0, output
+    assert "applied" in output
+    assert (project / "image.conf").read_bytes() == b"quality=90\ncache=off\n"
+    assert sorted(os.listdir(project / "src")) == ["new.c"]
+    # The grant was single-use: approving the same manifest again is refused.
+    code, output = _approve_on_a_terminal(service, manifest, expected)
+    assert code != 0 and "GrantInvalid" in output
+
+
+def test_a_disk_conflict_exits_4_and_rewitness_needs_a_new_approval(
+    service: Service, project: Path
+) -> None:
+    green = _accepted_green(service, project)
+    m7 = json.loads(_cli(service, "land", "--json", green, str(project)).stdout)["manifest"]
+    (project / "image.conf").write_bytes(b"quality=60\ncache=off\n")  # a developer's edit
+    code, output = _approve_on_a_terminal(service, m7, m7.rsplit("-", 1)[-1][:8])
+    assert code == 4, output
+    assert "conflict" in output
+    assert (project / "image.conf").read_bytes() == b"quality=60\ncache=off\n"
+    shown = _cli(service, "read-base", m7, "image.conf")
+    assert shown.stdout == "quality=60\ncache=off\n"
+    m8 = json.loads(_cli(service, "rewitness", m7, "--path", "image.conf", "--json").stdout)
+    assert m8["manifest"] != m7
+    code, output = _approve_on_a_terminal(service, m8["manifest"], m8["id"][:8])
+    assert code == 0, output
+    assert (project / "image.conf").read_bytes() == b"quality=90\ncache=off\n"
