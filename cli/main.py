@@ -14,7 +14,8 @@ slates_cli.demo), `anchor` (start the service), and the daemon-backed
 commands of DESIGN.md section 8 (status, volume, snapshot, clone, read,
 write, ls, mount, unmount, green create, work create, submit, rebase,
 versions, changed), which live in slates_cli.commands and attach to `main`
-through its `register`.
+through its `register`.  `mcp` serves the MCP server of slates.mcp on
+stdin/stdout.
 """
 
 from __future__ import annotations
@@ -354,6 +355,24 @@ def anchor(runtime_dir: str | None, shards: int | None, capacity: str, daemon: b
     except SlatesError as exc:
         _fail(exc)
     raise SystemExit(code)
+
+
+@main.command("mcp")
+@click.option(
+    "--runtime-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where the service lives (default: $SLATES_RUNTIME_DIR, /run/slates for root).",
+)
+def mcp_server(runtime_dir: str | None) -> None:
+    """Serve Slates to an agent over the Model Context Protocol on stdin/stdout.
+
+    Work volumes, files, submit, rebase, versions, landing plans and read_base;
+    nothing that lands a plan on disk.
+    """
+    from slates.mcp import run_stdio
+
+    run_stdio(runtime_dir)
 
 
 register(main, _fail)

@@ -44,7 +44,7 @@ def _accepted_green(service: Service, project: Path) -> str:
         client.write(work, "/src/new.c", b"int new;\n")
         client.unlink(work, "/src/old.c")
         assert client.submit(work)["ok"]
-        return green
+        return str(green)
 
 
 def _cli(service: Service, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
