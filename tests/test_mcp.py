@@ -32,7 +32,7 @@ from mcp.types import CallToolResult, TextContent
 
 from slates import Client
 from slates.errors import InvalidArgument
-from slates.mcp import CHUNK, TOOL_NAMES, SlatesTools, blob, build_server, decode_data
+from slates.mcp.server import CHUNK, TOOL_NAMES, SlatesTools, blob, build_server, decode_data
 from tests.anchor_fixture import Service, service
 
 __all__ = ["service"]  # the fixture, re-exported for pytest

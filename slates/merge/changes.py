@@ -224,12 +224,13 @@ def map_through(
         return True
 
     for change in changes:
+        if isinstance(change, Edit | Meta):
+            gone = accepted.removed.get(change.ino)
+            if gone is not None:  # they took away what this changes
+                conflict(change.path, _replaced_kind(accepted, gone), change.ino)
+                continue
         match change:
             case Edit():
-                gone = accepted.removed.get(change.ino)
-                if gone is not None:
-                    conflict(change.path, _replaced_kind(accepted, gone), change.ino)
-                    continue
                 theirs = accepted.edits.get(change.ino)
                 if theirs is None:
                     mapped.append(change)
@@ -248,10 +249,6 @@ def map_through(
                 if not clashes and edits:
                     mapped.append(dataclasses.replace(change, edits=edits))
             case Meta():
-                gone = accepted.removed.get(change.ino)
-                if gone is not None:
-                    conflict(change.path, _replaced_kind(accepted, gone), change.ino)
-                    continue
                 theirs_meta = accepted.meta.get(change.ino)
                 if theirs_meta is None:
                     mapped.append(change)
