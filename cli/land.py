@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,7 @@ def land_approve(
             "land.grant",
             manifest=manifest,
             credential=_credential(runtime_dir, credential_file),
+            nonce=secrets.token_hex(16),
         )
         result = client.land_apply(manifest, grant["grant"])
     if as_json:

@@ -59,6 +59,10 @@ def state_of_bytes(kind: str, data: bytes, mode: int) -> State:
     return State(kind, blake3.blake3(data).hexdigest(), mode & 0o7777)
 
 
+class _ParentGone(Exception):
+    """A directory on the way to an entry is missing or is not a directory."""
+
+
 def _failpoint() -> None:
     """Tests: SIGKILL this process after an entry, once (while the file named by
     SLATES_LAND_CRASH_ONCE exists)."""
@@ -84,6 +88,7 @@ class Target:
             ) from None
         self.path = path
         self._cleaned: set[str] = set()
+        self._leased = lease
         if lease:
             self._lease()
 
@@ -119,7 +124,11 @@ class Target:
 
     @contextlib.contextmanager
     def _parent(self, path: str) -> Iterator[tuple[int, str]]:
-        """The directory fd holding `path` and the entry's name (no symlink on the way)."""
+        """The directory fd holding `path` and the entry's name (no symlink on the way).
+
+        Raises _ParentGone when a component is missing or not a directory
+        (the entry is then absent), AccessDenied when one is a symlink.
+        """
         parts = check_relative(path).split("/")
         fd = os.dup(self.fd)
         try:
@@ -127,16 +136,19 @@ class Target:
                 try:
                     child = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 except OSError as exc:
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise AccessDenied(
-                            "a path component on disk is not a plain directory", path=path
-                        ) from None
-                    raise
+                    if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    with contextlib.suppress(OSError):
+                        if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                            raise AccessDenied(
+                                "a path component on disk is a symlink", path=path
+                            ) from None
+                    raise _ParentGone(path) from None
                 os.close(fd)
                 fd = child
             parent = "/".join(parts[:-1])
-            if parent not in self._cleaned:
-                self._clean(fd)
+            if self._leased and parent not in self._cleaned:
+                self._clean(fd)  # only the lease holder may touch temporary names
                 self._cleaned.add(parent)
             yield fd, parts[-1]
         finally:
@@ -178,7 +190,7 @@ class Target:
         try:
             with self._parent(path) as (dir_fd, name):
                 return self._state_at(dir_fd, name)
-        except FileNotFoundError:
+        except (FileNotFoundError, _ParentGone):
             return None
 
     def read(self, path: str) -> bytes | None:
@@ -197,28 +209,36 @@ class Target:
                     return os.read(fd, MAX_READ + 1)[:MAX_READ]
                 finally:
                     os.close(fd)
-        except FileNotFoundError:
+        except (FileNotFoundError, _ParentGone):
             return None
 
     # -- applying -----------------------------------------------------------------
 
     def apply(self, entry: Entry, content: bytes | None) -> tuple[Decision, State | None]:
         """Land one entry (content: the proposed bytes or link target); returns what happened."""
-        with self._parent(entry.path) as (dir_fd, name):
-            disk = self._state_at(dir_fd, name)
-            decision = decide(entry.witnessed, disk, entry.proposed)
-            if decision is Decision.APPLY:
-                decision = self._replace(dir_fd, name, entry, content)
-                os.fsync(dir_fd)
-                _failpoint()
-            return decision, disk
+        try:
+            with self._parent(entry.path) as (dir_fd, name):
+                disk = self._state_at(dir_fd, name)
+                decision = decide(entry.witnessed, disk, entry.proposed)
+                if decision is Decision.APPLY:
+                    decision = self._replace(dir_fd, name, entry, content)
+                    os.fsync(dir_fd)
+                    _failpoint()
+                return decision, disk
+        except _ParentGone:
+            # Its directory is gone: the entry is absent, and nothing can be put there.
+            decision = decide(entry.witnessed, None, entry.proposed)
+            return (Decision.CONFLICT if decision is Decision.APPLY else decision), None
 
     def _temp_name(self, name: str) -> str:
         return f"{TEMP_PREFIX}{blake3.blake3(name.encode()).hexdigest()[:24]}"
 
     def _replace(self, dir_fd: int, name: str, entry: Entry, content: bytes | None) -> Decision:
+        """Put the proposal at `name` in one atomic step; the witness is checked after it."""
         proposed, witnessed = entry.proposed, entry.witnessed
         temp = self._temp_name(name)
+        with contextlib.suppress(FileNotFoundError):
+            self._discard(dir_fd, temp)
         if proposed is None:
             return self._remove(dir_fd, name, temp, witnessed)
         if (
@@ -227,48 +247,60 @@ class Target:
             and witnessed.digest == proposed.digest
         ):
             return self._chmod(dir_fd, name, proposed)
+        # Build the whole new entry under the temporary name first.
         if proposed.kind == "dir":
-            if witnessed is not None:  # a file or link becomes a directory: move it aside first
-                outcome = self._remove(dir_fd, name, temp, witnessed)
-                if outcome is not Decision.APPLY:
-                    return outcome
-            try:
-                os.mkdir(name, proposed.mode, dir_fd=dir_fd)
-            except FileExistsError:
-                return Decision.CONFLICT
-            os.chmod(name, proposed.mode, dir_fd=dir_fd)
-            return Decision.APPLY
-        if content is None:
+            os.mkdir(temp, 0o700, dir_fd=dir_fd)
+            os.chmod(temp, proposed.mode, dir_fd=dir_fd)  # exactly, whatever the umask
+        elif content is None:
             raise InvalidArgument("the proposal's content is missing", path=entry.path)
-        self._write_temp(dir_fd, temp, proposed, content)
-        if witnessed is None or witnessed.kind == "dir":
-            if witnessed is not None:
-                outcome = self._remove(dir_fd, name, temp + "d", witnessed)
-                if outcome is not Decision.APPLY:
-                    os.unlink(temp, dir_fd=dir_fd)
-                    return outcome
+        else:
+            self._write_temp(dir_fd, temp, proposed, content)
+        if witnessed is None:
             try:
                 _renameat2(dir_fd, temp, dir_fd, name, _RENAME_NOREPLACE)
             except FileExistsError:
-                os.unlink(temp, dir_fd=dir_fd)
+                self._discard(dir_fd, temp)
                 return Decision.CONFLICT  # something appeared meanwhile: leave it
             return Decision.APPLY
         try:
-            _renameat2(dir_fd, temp, dir_fd, name, _RENAME_EXCHANGE)
+            _renameat2(dir_fd, temp, dir_fd, name, _RENAME_EXCHANGE)  # any kinds
         except FileNotFoundError:
-            os.unlink(temp, dir_fd=dir_fd)
+            self._discard(dir_fd, temp)
             return Decision.CONFLICT  # removed meanwhile
-        # `temp` now holds what was on disk an instant ago: was it still the witness?
-        if self._state_at(dir_fd, temp) != witnessed:
+        return self._settle(dir_fd, name, temp, witnessed, proposed)
+
+    def _settle(
+        self, dir_fd: int, name: str, temp: str, witnessed: State, proposed: State
+    ) -> Decision:
+        """After a swap, `temp` holds what was at `name` an instant ago.
+
+        Still the witness: it is removed and the entry is applied.  Anything
+        else was written by someone meanwhile: their newest bytes go back to
+        the name (or stay there if they already wrote it again), and only our
+        own file or a save of theirs that their later save replaced is removed.
+        """
+        if self._state_at(dir_fd, temp) == witnessed:
+            try:
+                self._discard(dir_fd, temp)
+                return Decision.APPLY
+            except OSError as exc:
+                if exc.errno != errno.ENOTEMPTY:
+                    raise  # a directory that gained entries is given back below
+        for _attempt in range(4):
+            if self._state_at(dir_fd, name) != proposed:
+                # They wrote at the name after our swap: that is their newest.
+                with contextlib.suppress(OSError):
+                    self._discard(dir_fd, temp)
+                return Decision.CONFLICT
             _renameat2(dir_fd, temp, dir_fd, name, _RENAME_EXCHANGE)
-            os.unlink(temp, dir_fd=dir_fd)
-            return Decision.CONFLICT
-        self._discard(dir_fd, temp)
-        return Decision.APPLY
+            if self._state_at(dir_fd, temp) == proposed:
+                self._discard(dir_fd, temp)  # our own file
+                return Decision.CONFLICT
+            # They wrote again just before the swap back: their newest is in temp now.
+            _renameat2(dir_fd, temp, dir_fd, name, _RENAME_EXCHANGE)
+        return Decision.CONFLICT  # a busy writer: their bytes stay; a temporary name may remain
 
     def _write_temp(self, dir_fd: int, temp: str, proposed: State, content: bytes) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._discard(dir_fd, temp)
         if proposed.kind == "symlink":
             os.symlink(content.decode("utf-8", "surrogateescape"), temp, dir_fd=dir_fd)
             return
@@ -299,8 +331,11 @@ class Target:
         except FileNotFoundError:
             return Decision.CONFLICT
         if self._state_at(dir_fd, temp) != witnessed:
-            with contextlib.suppress(OSError):  # put it back unless the name was taken meanwhile
+            try:  # put it back; if the name was taken meanwhile, that save is their newest
                 _renameat2(dir_fd, temp, dir_fd, name, _RENAME_NOREPLACE)
+            except FileExistsError:
+                with contextlib.suppress(OSError):
+                    self._discard(dir_fd, temp)
             return Decision.CONFLICT
         try:
             self._discard(dir_fd, temp)

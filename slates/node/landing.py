@@ -9,9 +9,10 @@ BLAKE3 id.  Plans are immutable: `rewitness` registers a new manifest.
 A grant is issued only to a caller presenting the approver credential
 (the anchor writes it, owner-only, into the runtime directory; the SDK
 and the MCP server have no call that sends it).  The grant token is a
-keyed BLAKE3 of the manifest id under a key derived from the credential,
-so it names one manifest and cannot be made without the credential.  A
-grant is used once: `apply` marks it used when its landing is committed;
+keyed BLAKE3 of the manifest id and the approver's fresh nonce under a key
+derived from the credential, so it names one manifest and cannot be made
+without the credential; each approval makes a new grant.  A grant is
+used once: `apply` marks it used when its landing is committed;
 a landing cut short by a crash leaves the grant unused, and the retry
 finishes the remaining entries (the finished ones are then identical).
 
@@ -151,19 +152,23 @@ class LandingDesk:
 
     # -- grants and landing -------------------------------------------------------
 
-    def grant(self, manifest_id: str, credential: Any, emit: Emit) -> str:
+    def grant(self, manifest_id: str, credential: Any, nonce: Any, emit: Emit) -> str:
         if self._approver_key is None or self._grant_key is None:
             raise AccessDenied("this shard has no approver credential configured")
         if not isinstance(credential, bytes) or not hmac.compare_digest(
             credential, self._approver_key
         ):
             raise AccessDenied("the approver credential is wrong")
+        if not (
+            isinstance(nonce, str)
+            and 16 <= len(nonce) <= 64
+            and all(c in "0123456789abcdef" for c in nonce)
+        ):
+            raise InvalidArgument("a grant needs a fresh nonce of 16 to 64 hex digits")
         self.manifest(manifest_id)
-        token = blake3.blake3(manifest_id.encode(), key=self._grant_key).hexdigest()
+        token = blake3.blake3(f"{manifest_id}:{nonce}".encode(), key=self._grant_key).hexdigest()
         if token in self.grants and self.grants[token][1]:
-            # One grant per manifest: once used, approving the same manifest again
-            # needs a new manifest (rewitness) or the identical retry of a crash.
-            raise GrantInvalid("this manifest's grant was used already", manifest=manifest_id)
+            raise GrantInvalid("this grant was used already", manifest=manifest_id)
         emit(["grant", token, manifest_id])
         return token
 

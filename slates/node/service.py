@@ -717,7 +717,12 @@ class ShardService:
                 return self._manifest_view(renewed)
             case "land.grant":
                 manifest = self._manifest_arg(args)
-                token = self.desk.grant(manifest.manifest_id, args.get("credential"), self._emit)
+                token = self.desk.grant(
+                    manifest.manifest_id,
+                    args.get("credential"),
+                    args.get("nonce"),
+                    self._emit,
+                )
                 return {"grant": token, "manifest": self._manifest_ref(manifest.manifest_id)}
             case "land.apply":
                 manifest = self._manifest_arg(args)
