@@ -38,3 +38,10 @@ lint: bootstrap
 
 test: lint
 	$(BIN)/pytest -q -p no:cacheprovider
+
+# `make bench` (as root): every side-by-side benchmark in one run (bench/run_all.py),
+# about 3 minutes on 2 cores; BENCH_ARGS="--quick" for a short smoke run.
+.PHONY: bench
+bench: bootstrap
+	@$(MAKE) --no-print-directory system-packages SYSTEM_PACKAGES="fuse-overlayfs"
+	$(BIN)/python bench/run_all.py $(BENCH_ARGS)

@@ -56,6 +56,7 @@ static struct {
     /* the session */
     struct fuse_session *se;
     int writeback;
+    double cache_timeout; /* entry and attribute timeouts (bridge_set_cache_timeout) */
     volatile sig_atomic_t stop;
     uint64_t stop_ns;
 } g = {
@@ -65,6 +66,7 @@ static struct {
     .rep_evfd = -1,
     .sock = -1,
     .next_seq = 1,
+    .cache_timeout = BRIDGE_TIMEOUT_SECONDS,
 };
 
 static uint64_t g_local_counts[BRIDGE_COUNTERS];
@@ -764,6 +766,14 @@ int bridge_attach(int req_memfd, int req_eventfd, int rep_memfd, int rep_eventfd
     return 0;
 }
 
+int bridge_set_cache_timeout(double seconds)
+{
+    if (g.se != NULL || !(seconds >= 0.0 && seconds <= BRIDGE_TIMEOUT_SECONDS))
+        return -EINVAL;
+    g.cache_timeout = seconds;
+    return 0;
+}
+
 int bridge_configure(const char *volume, uint64_t spin_ns)
 {
     if (volume == NULL || strlen(volume) == 0 || strlen(volume) >= sizeof g.volume)
@@ -1105,8 +1115,8 @@ static void reply_entry_from(fuse_req_t req, const msgpack_object *res, int crea
         return;
     }
     e.ino = e.attr.st_ino;
-    e.attr_timeout = BRIDGE_TIMEOUT_SECONDS;
-    e.entry_timeout = BRIDGE_TIMEOUT_SECONDS;
+    e.attr_timeout = g.cache_timeout;
+    e.entry_timeout = g.cache_timeout;
     if (create) {
         fi->fh = 0;
         fi->keep_cache = 1;
@@ -1178,7 +1188,7 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
         struct fuse_entry_param e;
         memset(&e, 0, sizeof e);
         e.ino = 0;
-        e.entry_timeout = BRIDGE_TIMEOUT_SECONDS;
+        e.entry_timeout = g.cache_timeout;
         fuse_reply_entry(req, &e);
         return;
     }
@@ -1232,7 +1242,7 @@ static void reply_attr(fuse_req_t req)
     if (rc != 0)
         fuse_reply_err(req, rc);
     else
-        fuse_reply_attr(req, &st, BRIDGE_TIMEOUT_SECONDS);
+        fuse_reply_attr(req, &st, g.cache_timeout);
 }
 
 static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -1507,8 +1517,8 @@ static void do_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, i
             memset(&e, 0, sizeof e);
             if (has_attr && attr_from(attr, &e.attr) == 0) {
                 e.ino = e.attr.st_ino;
-                e.attr_timeout = BRIDGE_TIMEOUT_SECONDS;
-                e.entry_timeout = BRIDGE_TIMEOUT_SECONDS;
+                e.attr_timeout = g.cache_timeout;
+                e.entry_timeout = g.cache_timeout;
             } else {
                 e.attr.st_ino = (ino_t)ino_;
                 e.attr.st_mode = (mode_t)kind;

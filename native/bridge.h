@@ -56,6 +56,11 @@ void bridge_detach(void);
 int bridge_request(const char *op, const uint8_t *args, uint32_t args_len, uint8_t *out,
                    uint32_t cap);
 
+/* Entry and attribute cache lifetime in seconds, 0 to BRIDGE_TIMEOUT_SECONDS
+ * (the default); 0 makes the kernel ask for every lookup and stat (the
+ * benchmarks' uncached latency).  Call before bridge_mount. */
+int bridge_set_cache_timeout(double seconds);
+
 /* Create the session and mount it on `mountpoint`. */
 int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback);
 

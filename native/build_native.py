@@ -92,6 +92,7 @@ ffibuilder.cdef(
     void bridge_detach(void);
     int bridge_request(const char *op, const uint8_t *args, uint32_t args_len, uint8_t *out,
                        uint32_t cap);
+    int bridge_set_cache_timeout(double seconds);
     int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback);
     int bridge_run(int ready_fd);
     void bridge_exit(void);

@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from slates.errors import InvalidArgument
-from slates.merge.ranges import Replace, _overlaps, apply, compose, rebase
+from slates.merge.ranges import Replace, apply, compose, overlaps, rebase
 
 BASE = b"quality=80\ncache=off\n"
 
@@ -115,7 +115,7 @@ def test_merging_two_agents(case: tuple[bytes, list[Replace]], data: st.DataObje
         ops2.append(Replace(start, end, payload))
         size += len(payload) - (end - start)
     first, second = compose(len(base), ops1), compose(len(base), ops2)
-    clash = any(_overlaps(a, b) and a != b for a in first for b in second)
+    clash = any(overlaps(a, b) and a != b for a in first for b in second)
     mapped, conflicts = rebase(second, first)
     back, conflicts_back = rebase(first, second)
     assert bool(conflicts) == clash == bool(conflicts_back)

@@ -167,6 +167,20 @@ class Service:
         return other
 
 
+def snapshot_tree(service: ShardService, snapshot_id: str) -> Tree:
+    reader = Volume.clone(service.snapshots[snapshot_id], service.host)
+    try:
+        return volume_tree(reader)
+    finally:
+        reader.close()
+
+
+def assert_green_reads_its_head(service: ShardService, green: str) -> None:
+    """The green volume holds exactly its ledger's head version."""
+    head = service.greens[green][-1]
+    assert volume_tree(service.volumes[green]) == snapshot_tree(service, head.snapshot_id)
+
+
 def verdict(result: dict[str, Any]) -> tuple[bool, int | None, list[dict[str, Any]]]:
     """The part of a submit or rebase result every caller relies on."""
     return result["ok"], result["version"], result["conflicts"]
@@ -181,12 +195,10 @@ def assert_same_state(expected: ShardService, actual: ShardService) -> None:
         assert volume_tree(actual.volumes[vid]) == volume_tree(expected.volumes[vid]), vid
     for green, ledger in expected.greens.items():
         for version in ledger:  # every version, read through a throwaway clone
-            trees = []
-            for service in (expected, actual):
-                reader = Volume.clone(service.snapshots[version.snapshot_id], service.host)
-                trees.append(volume_tree(reader))
-                reader.close()
-            assert trees[0] == trees[1], (green, version.number)
+            assert snapshot_tree(actual, version.snapshot_id) == snapshot_tree(
+                expected, version.snapshot_id
+            ), (green, version.number)
+        assert_green_reads_its_head(actual, green)
 
 
 def two_agents(
@@ -819,6 +831,30 @@ def test_changed_paths_after_a_swap_name_where_the_edited_file_is() -> None:
     assert service.call("changed_since", green=green, version=2) == ["/y"]
 
 
+@pytest.mark.parametrize("operation", ["submit", "rebase"])
+def test_crossing_directory_moves_are_a_conflict_not_an_error(operation: str) -> None:
+    """Bug: moving /a into /b while another agent moves /b into /a makes a cycle.
+
+    Each move is fine alone and they touch different objects and names, so
+    map_through passes both; applying the second fails inside
+    merge_tree.apply ("cannot move a directory inside itself", naming the
+    internal ".slates-merge-N" name) and submit or rebase answers
+    InvalidArgument instead of a conflict.
+    """
+    service = Service()
+    green = service.green({"/a/f": b"1", "/b/g": b"2"}, ["/a", "/b"])
+    one, two = service.work(green), service.work(green)
+    service.call("rename", volume=one, src="/a", dst="/b/a")
+    service.call("rename", volume=two, src="/b", dst="/a/b")
+    assert_accepted(service, one)
+    head, work_tree = service.tree(green), service.tree(two)
+    reply = service.raw(operation, volume=two)
+    assert service.tree(green) == head and service.tree(two) == work_tree
+    assert_green_reads_its_head(service.svc, green)
+    assert reply["ok"], reply
+    assert reply["result"]["ok"] is False and reply["result"]["conflicts"], reply
+
+
 def test_a_rejected_namespace_submission_keeps_the_work_volume() -> None:
     service = Service()
     green = service.green(BASE_TREE, BASE_DIRS)
@@ -836,6 +872,33 @@ def test_a_rejected_namespace_submission_keeps_the_work_volume() -> None:
         "/e": "dir",
         "/x": b"x\n",
     }
+
+
+def test_a_delete_beside_an_accepted_delete_with_an_insert_after_it() -> None:
+    """Bug: a mapped edit list can be invalid, and the submit then fails half-done.
+
+    Base "abc".  Agent A deletes the "b" ([1, 2), accepted as v2).  Agent B
+    deletes the "a" ([0, 1)) and inserts "x" before the "c" ([2, 2)): no
+    overlap, the merge is "xc".  Mapped through v2, B's edits become
+    [0, 1) -> "" and [1, 1) -> "x", adjacent, which check_edits refuses when
+    the "version" event is decoded.  The submit answers InvalidArgument after
+    the green volume was already restarted with B's changes: the green reads
+    "xc" while its ledger's head is still v2 ("ac"), and those records are
+    journaled without a version.
+    """
+    service = Service()
+    green = service.green({"/f": b"abc"})
+    a, b = service.work(green), service.work(green)
+    service.edit(a, "/f", 1, 2, b"")
+    service.edit(b, "/f", 2, 2, b"x")
+    service.edit(b, "/f", 0, 1, b"")
+    assert assert_accepted(service, a) == 2
+    reply = service.raw("submit", volume=b)
+    assert_green_reads_its_head(service.svc, green)  # whatever the verdict
+    assert reply["ok"], reply
+    assert verdict(reply["result"]) == (True, 3, []), reply
+    assert service.read(green, "/f") == b"xc"
+    assert_same_state(service.svc, service.replayed())
 
 
 def test_a_work_volume_from_an_older_version_maps_through_every_later_one() -> None:

@@ -255,3 +255,20 @@ def test_a_clone_records_its_changes_relative_to_the_snapshot(
     reader = Volume.clone(snapshot, host)
     assert reader.read(ino, 0, len(original) + 1) == original
     assert origin_edits(reader, ino, len(original)) == ()
+
+
+def test_shared_pages_and_punched_holes_are_recorded_as_new_bytes() -> None:
+    host = Host()
+    volume = Volume.new(host)
+    src = volume.create(ROOT_INO, "src").ino
+    volume.write(src, 0, b"s" * (2 * PAGE))
+    ino = volume.create(ROOT_INO, "f").ino
+    original = bytes(range(256)) * (3 * PAGE // 256)
+    volume.write(ino, 0, original)
+    clone = Volume.clone(volume.snapshot("snap-0-1"), host)
+    clone.seal()
+    assert clone.copy_range(src, 0, ino, PAGE, PAGE) == PAGE  # whole sealed pages: shared
+    clone.punch_hole(ino, 2 * PAGE, PAGE)  # a whole page: a PunchHole record
+    expected = original[:PAGE] + b"s" * PAGE + bytes(PAGE)
+    assert clone.read(ino, 0, 3 * PAGE) == expected
+    assert origin_edits(clone, ino, len(original)) == (Replace(PAGE, 3 * PAGE, expected[PAGE:]),)

@@ -36,7 +36,14 @@ from typing import Any
 
 from slates.core.records import Kind
 from slates.errors import InvalidArgument
-from slates.merge.ranges import Replace, check_edits, rebase
+from slates.merge.ranges import (
+    Replace,
+    check_edits,
+    lies_before,
+    merge_adjacent,
+    overlaps,
+    rebase,
+)
 
 __all__ = [
     "Edit",
@@ -49,6 +56,7 @@ __all__ = [
     "Conflict",
     "map_through",
     "changed_paths",
+    "map_edits_pairwise",
     "changes_to_wire",
     "changes_from_wire",
     "conflict_to_wire",
@@ -194,9 +202,17 @@ def _same_add(a: Add, b: Add) -> bool:
 
 
 def map_through(
-    changes: Sequence[Change], increment: Sequence[Change]
+    changes: Sequence[Change], increment: Sequence[Change], *, map_edits: bool = True
 ) -> tuple[tuple[Change, ...], tuple[Conflict, ...]]:
-    """Check `changes` against an accepted `increment` of the same version; map them past it."""
+    """Check `changes` against an accepted `increment` of the same version; map them past it.
+
+    Returns the changes that map (those in conflict are left out) and the
+    conflicts; the submission is accepted only if there are none.
+
+    With map_edits false, byte ranges are left alone (the caller maps them
+    through the composition of several increments at once, see
+    `compose_accepted`); edits of removed objects still conflict.
+    """
     accepted = _Accepted.of(increment)
     aliases: dict[int, int] = {}  # a new key -> the object an identical accepted add made
     mapped: list[Change] = []
@@ -223,7 +239,12 @@ def map_through(
         )
         return True
 
-    for change in changes:
+    # New objects first: an identical accepted add makes an alias that later
+    # changes (a move into that directory) must see.
+    ordered = [c for c in changes if isinstance(c, Add)] + [
+        c for c in changes if not isinstance(c, Add)
+    ]
+    for change in ordered:
         if isinstance(change, Edit | Meta):
             gone = accepted.removed.get(change.ino)
             if gone is not None:  # they took away what this changes
@@ -232,7 +253,7 @@ def map_through(
         match change:
             case Edit():
                 theirs = accepted.edits.get(change.ino)
-                if theirs is None:
+                if theirs is None or not map_edits:
                     mapped.append(change)
                     continue
                 edits, clashes = rebase(change.edits, theirs.edits)
@@ -308,9 +329,8 @@ def map_through(
                         )
                     else:
                         mapped.append(dataclasses.replace(change, parent=parent))
-    if conflicts:
-        return (), tuple(conflicts)
-    return tuple(_moved_paths(c, accepted) for c in mapped), ()
+    # With conflicts, the rest is still mapped, so that later checks can report theirs too.
+    return tuple(_moved_paths(c, accepted) for c in mapped), tuple(conflicts)
 
 
 def _removed_dir(accepted: _Accepted, parent: int) -> bool:
@@ -319,10 +339,14 @@ def _removed_dir(accepted: _Accepted, parent: int) -> bool:
 
 
 def _rewrite(path: str, moves: Sequence[tuple[str, str]]) -> str:
+    """Where `path` went: the moves happened together, so the deepest one that holds it applies."""
+    best: tuple[str, str] | None = None
     for old, new in moves:
-        if path == old or path.startswith(old.rstrip("/") + "/"):
-            path = new + path[len(old) :]
-    return path
+        if (path == old or path.startswith(old.rstrip("/") + "/")) and (
+            best is None or len(old) > len(best[0])
+        ):
+            best = (old, new)
+    return path if best is None else best[1] + path[len(best[0]) :]
 
 
 def _moved_paths(change: Change, accepted: _Accepted) -> Change:
@@ -335,6 +359,70 @@ def _moved_paths(change: Change, accepted: _Accepted) -> Change:
             change, path=_rewrite(change.path, moves), to_path=_rewrite(change.to_path, moves)
         )
     return dataclasses.replace(change, path=_rewrite(change.path, moves))
+
+
+def map_edits_pairwise(
+    changes: Sequence[Change], siblings: Sequence[Sequence[Change]]
+) -> tuple[tuple[Change, ...], tuple[Conflict, ...]]:
+    """Map byte-range edits past accepted submissions that started from the same base.
+
+    Every edit here is in the base's coordinates, so the check is the plain
+    one: an edit conflicts with an accepted edit it overlaps unless both are
+    the same, and the head is the base with all of them applied.  Neither
+    the verdict nor the result depends on the order in which the siblings
+    were accepted (`siblings` holds each one's own edits, before mapping).
+    """
+    mapped: list[Change] = []
+    conflicts: list[Conflict] = []
+    for change in changes:
+        if not isinstance(change, Edit):
+            mapped.append(change)
+            continue
+        theirs = sorted(
+            {
+                edit
+                for sibling in siblings
+                for other in sibling
+                if isinstance(other, Edit) and other.ino == change.ino
+                for edit in other.edits
+            },
+            key=lambda e: (e.start, e.end),
+        )
+        if not theirs:
+            mapped.append(change)
+            continue
+        mine: list[Replace] = []
+        for edit in change.edits:
+            clashing = [other for other in theirs if overlaps(edit, other)]
+            if clashing == [edit]:
+                continue  # the same edit was accepted already
+            for other in clashing:
+                head = _head_position(theirs, other)
+                kind = "overlap"
+                if edit.start == edit.end and other.start < edit.start < other.end:
+                    kind = "insertion point deleted"
+                conflicts.append(
+                    Conflict(
+                        path=change.path,
+                        kind=kind,
+                        base=(min(edit.start, other.start), max(edit.end, other.end)),
+                        head=(head, head + len(other.data)),
+                        accepted=other.data,
+                        proposed=edit.data,
+                        ino=change.ino,
+                    )
+                )
+            if not clashing:
+                shift = _head_position(theirs, edit) - edit.start
+                mine.append(Replace(edit.start + shift, edit.end + shift, edit.data))
+        if mine:
+            mapped.append(dataclasses.replace(change, edits=tuple(merge_adjacent(mine))))
+    return tuple(mapped), tuple(conflicts)
+
+
+def _head_position(accepted: Sequence[Replace], edit: Replace) -> int:
+    """Where `edit`'s start lands once every accepted edit before it is applied."""
+    return edit.start + sum(a.delta for a in accepted if a != edit and lies_before(a, edit))
 
 
 def changed_paths(changes: Iterable[Change]) -> set[str]:

@@ -37,6 +37,9 @@ __all__ = [
     "apply",
     "rebase",
     "check_edits",
+    "overlaps",
+    "lies_before",
+    "merge_adjacent",
 ]
 
 
@@ -156,10 +159,10 @@ def _edits_from(pieces: Sequence[_Piece], base_size: int) -> tuple[Replace, ...]
         cursor = end
     if cursor < base_size or pending:
         edits.append(Replace(cursor, base_size, bytes(pending)))
-    return tuple(_merge_adjacent(edits))
+    return tuple(merge_adjacent(edits))
 
 
-def _merge_adjacent(edits: Iterable[Replace]) -> list[Replace]:
+def merge_adjacent(edits: Iterable[Replace]) -> list[Replace]:
     out: list[Replace] = []
     for edit in edits:
         if edit.start == edit.end and not edit.data:
@@ -171,7 +174,7 @@ def _merge_adjacent(edits: Iterable[Replace]) -> list[Replace]:
     return out
 
 
-def _overlaps(a: Replace, b: Replace) -> bool:
+def overlaps(a: Replace, b: Replace) -> bool:
     """Whether two edits of one version touch the same bytes or insertion point."""
     if a.start == a.end and b.start == b.end:
         return a.start == b.start  # two inserts at one point
@@ -199,10 +202,10 @@ def rebase(
     shift = 0  # accumulated delta of accepted edits wholly before the current edit
     position = 0  # index of the first accepted edit not yet wholly before it
     for edit in edits:
-        while position < len(accepted) and _before(accepted[position], edit):
+        while position < len(accepted) and lies_before(accepted[position], edit):
             shift += accepted[position].delta
             position += 1
-        clashing = [a for a in accepted[position:] if _overlaps(a, edit)]
+        clashing = [a for a in accepted[position:] if overlaps(a, edit)]
         if not clashing:
             mapped.append(Replace(edit.start + shift, edit.end + shift, edit.data))
             continue
@@ -222,10 +225,10 @@ def rebase(
                     proposed=edit.data,
                 )
             )
-    return tuple(mapped), tuple(conflicts)
+    return tuple(merge_adjacent(mapped)), tuple(conflicts)
 
 
-def _before(accepted: Replace, edit: Replace) -> bool:
+def lies_before(accepted: Replace, edit: Replace) -> bool:
     """Whether an accepted edit lies wholly before `edit` (it only shifts it)."""
     if accepted.end < edit.start:
         return True

@@ -41,14 +41,22 @@ from slates.core.volume import (
     Volume,
 )
 from slates.errors import InvalidArgument, NotSupported
-from slates.merge.changes import Add, Change, Edit, Link, Meta, Move, Remove
+from slates.merge.changes import Add, Change, Conflict, Edit, Link, Meta, Move, Remove
 from slates.merge.ranges import Replace
 
-__all__ = ["diff", "apply", "path_index", "Reader"]
+__all__ = ["diff", "apply", "path_index", "Reader", "CycleConflict"]
 
 Reader = Callable[[int, int, int], bytes]  # (ino, offset, size) -> bytes of the work volume
 _NO_ENTRIES: immutables.Map[str, Entry] = immutables.Map()
 _TEMP_PREFIX = ".slates-merge-"
+
+
+class CycleConflict(Exception):
+    """Applying would move a directory inside itself: a conflict found only on the head."""
+
+    def __init__(self, conflict: Conflict) -> None:
+        super().__init__(conflict.path)
+        self.conflict = conflict
 
 
 def path_index(root: Root) -> dict[int, str]:
@@ -230,13 +238,22 @@ def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Chan
             attr = volume.mkdir(real(add.parent), add.name, add.mode, time_ns=time_ns)
             created[add.key] = attr.ino
     for move in moves:
-        volume.rename(
-            ROOT_INO,
-            f"{_TEMP_PREFIX}{move.ino}",
-            real(move.to_parent),
-            move.to_name,
-            time_ns=time_ns,
-        )
+        try:
+            volume.rename(
+                ROOT_INO,
+                f"{_TEMP_PREFIX}{move.ino}",
+                real(move.to_parent),
+                move.to_name,
+                time_ns=time_ns,
+            )
+        except InvalidArgument as exc:
+            if volume.getattr(move.ino).kind != Kind.DIR:
+                raise
+            # Another version moved the destination inside this directory: the two
+            # moves together would make a cycle.
+            raise CycleConflict(
+                Conflict(path=move.path, kind="rename vs rename", ino=move.ino)
+            ) from exc
         applied.append(dataclasses.replace(move, to_parent=real(move.to_parent)))
     for add in adds:
         parent = real(add.parent)

@@ -18,7 +18,7 @@ Events are plain lists:
     ["green", vid, snapshot_id]       a volume becomes green; the snapshot is v0
     ["work", vid, green, version]     a volume is work on a green version
     ["reset", vid, snapshot_id]       the volume restarts as a clone of the snapshot
-    ["version", green, snapshot_id, base, work, changes]   a submission accepted
+    ["version", green, snapshot_id, base, work, changes, own edits]   a submission accepted
     ["based", vid, version]           a work volume was rebased onto the version
 Everything an event needs from outside (base facts, times) is inside it,
 so replay needs no base directory except to serve later reads.
@@ -93,6 +93,8 @@ class Version:
     base: int  # the version the submission started from (-1 for v0)
     work: str  # the submitting work volume ("" for v0)
     increment: tuple[merge_changes.Change, ...]  # relative to version number - 1
+    # The submission's own byte-range edits, relative to `base` (before mapping).
+    originals: tuple[merge_changes.Change, ...] = ()
 
 
 def shard_of(object_id: str) -> int:
@@ -175,6 +177,7 @@ class ShardService:
         self.works: dict[str, tuple[str, int]] = {}  # work volume id -> (green, base version)
         self._path_indexes: dict[str, dict[int, str]] = {}  # snapshot id -> path index
         self.desk = LandingDesk(approver_key)
+        self._originals: tuple[merge_changes.Change, ...] = ()
         self._events: list[Event] = []
         self._client = ""
 
@@ -535,7 +538,10 @@ class ShardService:
     def _mapped_changes(
         self, volume: Volume, green: str, base: int
     ) -> tuple[tuple[merge_changes.Change, ...], list[dict[str, Any]]]:
-        """The work's changes since `base`, mapped to the green head, or the conflicts."""
+        """The work's changes since `base`, mapped to the green head, or the conflicts.
+
+        The unmapped byte-range edits are kept in self._originals for the ledger.
+        """
         ledger = self.greens[green]
         snapshot_id = ledger[base].snapshot_id
         base_root = self.snapshots[snapshot_id].root
@@ -546,11 +552,37 @@ class ShardService:
             volume.read,
             lambda ino: paths.get(ino, f"#{ino}"),
         )
-        for version in ledger[base + 1 :]:
-            changes, conflicts = merge_changes.map_through(changes, version.increment)
-            if conflicts:
-                return (), [self._conflict_wire(c, snapshot_id, version) for c in conflicts]
-        return changes, []
+        self._originals = tuple(c for c in changes if isinstance(c, merge_changes.Edit))
+        later = ledger[base + 1 :]
+        found: list[dict[str, Any]] = []
+        same_base = all(version.base == base for version in later)
+        for version in later:
+            # Names and objects version by version; bytes too when bases differ.
+            changes, conflicts = merge_changes.map_through(
+                changes, version.increment, map_edits=not same_base
+            )
+            found += [
+                self._conflict_wire(self._in_base(c), snapshot_id, version) for c in conflicts
+            ]
+        if same_base:
+            # Every accepted submission since started from this base too: bytes
+            # are checked against their own edits, all in the base's coordinates.
+            changes, conflicts = merge_changes.map_edits_pairwise(
+                changes, [version.originals for version in later]
+            )
+            found += [self._conflict_wire(c, snapshot_id, ledger[-1]) for c in conflicts]
+        return ((), found) if found else (changes, [])
+
+    def _in_base(self, conflict: merge_changes.Conflict) -> merge_changes.Conflict:
+        """A range conflict found after mapping, with the range of the author's own edit."""
+        if conflict.base is None:
+            return conflict
+        for change in self._originals:
+            if isinstance(change, merge_changes.Edit) and change.ino == conflict.ino:
+                for edit in change.edits:
+                    if edit.data == conflict.proposed:
+                        return dataclasses.replace(conflict, base=(edit.start, edit.end))
+        return conflict
 
     def _conflict_wire(
         self, conflict: merge_changes.Conflict, base_snapshot: str, version: Version
@@ -606,7 +638,11 @@ class ShardService:
         if not changes:  # nothing, or only what the head holds already
             return {"ok": True, "version": len(ledger) - 1, "conflicts": [], "rebased": False}
         head = ledger[-1]
-        fresh, applied = self._restart_as(green, head.snapshot_id, changes, now)
+        try:
+            fresh, applied = self._restart_as(green, head.snapshot_id, changes, now)
+        except merge_tree.CycleConflict as cycle:
+            wire = self._conflict_wire(cycle.conflict, ledger[base].snapshot_id, head)
+            return {"ok": False, "version": None, "conflicts": [wire]}
         snapshot = fresh.snapshot(self._new_id("snap"))
         self._emit(
             [
@@ -616,6 +652,7 @@ class ShardService:
                 base,
                 vid,
                 merge_changes.changes_to_wire(applied),
+                merge_changes.changes_to_wire(self._originals),
             ]
         )
         # The work volume moves onto the version it made, so its next submission
@@ -635,7 +672,11 @@ class ShardService:
         if conflicts:
             return {"ok": False, "version": base, "conflicts": conflicts}
         ledger = self.greens[green]
-        self._restart_as(vid, ledger[-1].snapshot_id, changes, now)
+        try:
+            self._restart_as(vid, ledger[-1].snapshot_id, changes, now)
+        except merge_tree.CycleConflict as cycle:
+            wire = self._conflict_wire(cycle.conflict, ledger[base].snapshot_id, ledger[-1])
+            return {"ok": False, "version": base, "conflicts": [wire]}
         self._emit(["based", vid, len(ledger) - 1])
         return {"ok": True, "version": len(ledger) - 1, "conflicts": []}
 
@@ -888,10 +929,19 @@ class ShardService:
                 self.works[vid] = (green, version)
             case ["based", str(vid), int(version)] if vid in self.works:
                 self.works[vid] = (self.works[vid][0], version)
-            case ["version", str(green), str(snapshot_id), int(base), str(work), list(raw)]:
+            case [
+                "version",
+                str(green),
+                str(snapshot_id),
+                int(base),
+                str(work),
+                list(raw),
+                list(originals),
+            ]:
                 ledger = self.greens[green]
                 increment = merge_changes.changes_from_wire(raw)
-                ledger.append(Version(len(ledger), snapshot_id, base, work, increment))
+                own = merge_changes.changes_from_wire(originals)
+                ledger.append(Version(len(ledger), snapshot_id, base, work, increment, own))
             case ["reset", str(vid), str(snapshot_id)] if not live:
                 if vid in self.failed:
                     return
@@ -1006,7 +1056,13 @@ class ShardService:
             "failed": {vid: error.to_wire() for vid, error in self.failed.items()},
             "greens": {
                 green: [
-                    [v.snapshot_id, v.base, v.work, merge_changes.changes_to_wire(v.increment)]
+                    [
+                        v.snapshot_id,
+                        v.base,
+                        v.work,
+                        merge_changes.changes_to_wire(v.increment),
+                        merge_changes.changes_to_wire(v.originals),
+                    ]
                     for v in ledger
                 ]
                 for green, ledger in self.greens.items()
@@ -1040,9 +1096,14 @@ class ShardService:
             greens = {
                 green: [
                     Version(
-                        n, str(snap), int(base), str(work), merge_changes.changes_from_wire(raw)
+                        n,
+                        str(snap),
+                        int(base),
+                        str(work),
+                        merge_changes.changes_from_wire(raw),
+                        merge_changes.changes_from_wire(own),
                     )
-                    for n, (snap, base, work, raw) in enumerate(entries)
+                    for n, (snap, base, work, raw, own) in enumerate(entries)
                 ]
                 for green, entries in meta["greens"].items()
             }
