@@ -86,10 +86,23 @@ from slates.errors import (
     SlatesError,
     VerificationFailed,
 )
-from slates.node.protocol import FrameReader, check_ok, frame, pack, parse_reply, unpack
+from slates.node.protocol import (
+    FrameReader,
+    check_ok,
+    frame,
+    pack,
+    parse_reply,
+    shard_of,
+    unpack,
+)
 from slates.node.ring import default_spin_ns
 from slates.node.runtime import Runtime
-from slates.node.service import shard_of
+
+# The bridge serves one kernel request at a time, so while it waits for the
+# shard's answer it has nothing else to do: spinning through the shard's usual
+# service time (tens to a couple of hundred microseconds, bench/RESULTS.md)
+# saves the shard an eventfd write and the bridge a wake-up per request.
+REPLY_SPIN_NS = 250_000
 
 __all__ = [
     "COUNTER_SLOTS",
@@ -290,7 +303,9 @@ class Bridge:
         self.watching = threading.Event()
 
     def configure(self, spin_ns: int | None = None) -> None:
-        spin = default_spin_ns() if spin_ns is None else spin_ns
+        """Set the reply spin: long enough to cover a typical request in the shard
+        (REPLY_SPIN_NS), so the shard's answer rarely needs an eventfd wake-up."""
+        spin = max(default_spin_ns(), REPLY_SPIN_NS) if spin_ns is None else spin_ns
         rc = lib.bridge_configure(self.volume.encode(), spin)
         if rc < 0:
             raise InvalidArgument("bad volume id for the bridge", volume=self.volume)

@@ -31,6 +31,7 @@ import msgpack
 from slates.errors import InvalidArgument, SlatesError, error_from_wire
 
 __all__ = [
+    "shard_of",
     "MAX_FRAME",
     "MAX_CLIENT_ID",
     "Hello",
@@ -171,3 +172,11 @@ def ok_reply(seq: int, result: Any) -> dict[str, Any]:
 
 def error_reply(seq: int, error: SlatesError) -> dict[str, Any]:
     return {"seq": seq, "ok": False, "error": error.to_wire()}
+
+
+def shard_of(object_id: str) -> int:
+    """The shard that owns a volume, snapshot or manifest id ("vol-<shard>-<n>", ...)."""
+    parts = object_id.split("-")
+    if len(parts) != 3 or parts[0] not in ("vol", "snap", "man") or not parts[1].isdigit():
+        raise InvalidArgument("malformed volume, snapshot or manifest id", id=object_id)
+    return int(parts[1])

@@ -61,7 +61,7 @@ from slates.merge import changes as merge_changes
 from slates.merge import tree as merge_tree
 from slates.node.fsops import run_fs_op
 from slates.node.landing import LandingDesk
-from slates.node.protocol import Request, error_reply, ok_reply
+from slates.node.protocol import Request, error_reply, ok_reply, shard_of
 
 __all__ = ["ShardService", "MAX_UNACKED", "READ_ONLY_OPS", "shard_of"]
 
@@ -95,14 +95,6 @@ class Version:
     increment: tuple[merge_changes.Change, ...]  # relative to version number - 1
     # The submission's own byte-range edits, relative to `base` (before mapping).
     originals: tuple[merge_changes.Change, ...] = ()
-
-
-def shard_of(object_id: str) -> int:
-    """The shard that owns a volume or snapshot id."""
-    parts = object_id.split("-")
-    if len(parts) != 3 or parts[0] not in ("vol", "snap", "man") or not parts[1].isdigit():
-        raise InvalidArgument("malformed volume, snapshot or manifest id", id=object_id)
-    return int(parts[1])
 
 
 def _attr_dict(attr: Attr) -> dict[str, Any]:
@@ -179,6 +171,9 @@ class ShardService:
         self.desk = LandingDesk(approver_key)
         self._originals: tuple[merge_changes.Change, ...] = ()
         self._events: list[Event] = []
+        # The records applied by the current request, for the driver's cache
+        # invalidations (so it need not decode the journal events again).
+        self.applied: list[tuple[str, Record]] = []
         self._client = ""
 
     # -- requests -------------------------------------------------------------
@@ -188,6 +183,7 @@ class ShardService:
     ) -> tuple[dict[str, Any], list[Event]]:
         """Run one request; returns (reply, events to commit before replying)."""
         self._events = []
+        self.applied = []
         self._client = client
         if request.seq <= self.acked.get(client, 0):
             expired = RequestExpired("the request was already acknowledged", seq=request.seq)
@@ -235,6 +231,7 @@ class ShardService:
     def _watch(self, vid: str, volume: Volume) -> None:
         def on_applied(record: Record, result: object) -> None:
             self._events.append(["rec", vid, encode(record)])
+            self.applied.append((vid, record))
             self._after_record(record, result)
 
         volume.on_applied = on_applied

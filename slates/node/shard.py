@@ -40,6 +40,7 @@ from slates.core.records import (
     Mkdir,
     Mknod,
     PunchHole,
+    Record,
     RemoveXattr,
     Rename,
     Rmdir,
@@ -51,7 +52,6 @@ from slates.core.records import (
     Truncate,
     Unlink,
     Write,
-    decode,
 )
 from slates.errors import AccessDenied, InvalidArgument, NotFound, SlatesError
 from slates.node.journal import ArenaChunks, Checkpoints, Journal, Segment
@@ -174,7 +174,7 @@ class Shard:
         reply, events = self.service.handle(hello.client, request, time.time_ns())
         self.commit(events)
         self.service.collect_garbage()
-        for vid, notes in invalidations(events).items():
+        for vid, notes in invalidations(self.service.applied).items():
             self.pending.setdefault(vid, []).extend(notes)
         error = reply.get("error")
         if (
@@ -392,18 +392,16 @@ class Watcher:
             self.changed = trio.Event()
 
 
-def invalidations(events: list[Any]) -> dict[str, list[list[Any]]]:
-    """What a kernel caching a volume must forget after these journal events.
+def invalidations(applied: list[tuple[str, Record]]) -> dict[str, list[list[Any]]]:
+    """What a kernel caching a volume must forget after these records were applied.
 
     ["inode", ino] drops an inode's cached attributes and data;
     ["entry", parent, name] drops a cached name (also a negative one).
     """
     out: dict[str, list[list[Any]]] = {}
-    for event in events:
-        if not (isinstance(event, list) and len(event) == 3 and event[0] == "rec"):
-            continue
-        notes = out.setdefault(event[1], [])
-        match decode(event[2]):
+    for vid, record in applied:
+        notes = out.setdefault(vid, [])
+        match record:
             case Write(ino=ino) | Truncate(ino=ino) | PunchHole(ino=ino) | SetAttr(ino=ino):
                 notes.append(["inode", ino])
             case (
