@@ -102,7 +102,7 @@ from slates.node.runtime import Runtime
 # shard's answer it has nothing else to do: spinning through the shard's usual
 # service time (tens to a couple of hundred microseconds, bench/RESULTS.md)
 # saves the shard an eventfd write and the bridge a wake-up per request.
-REPLY_SPIN_NS = 250_000
+REPLY_SPIN_NS = 100_000
 
 __all__ = [
     "COUNTER_SLOTS",
