@@ -68,7 +68,6 @@ __all__ = [
     "RingPair",
     "calibrate_spin",
     "default_spin_ns",
-    "STREAK_WITHOUT_YIELD",
 ]
 
 DEFAULT_CAPACITY = 1 << 20
@@ -77,7 +76,6 @@ MAX_CAPACITY: int = lib.RING_MAX_CAPACITY
 # A wake-up slower than this means an overloaded host, where spinning longer
 # would only take more CPU from the agents.
 MAX_SPIN_NS = 200_000
-STREAK_WITHOUT_YIELD = 32
 MIN_SPIN_NS = 1_000
 
 _alloc_uncleared = ffi.new_allocator(should_clear_after_alloc=False)
@@ -135,7 +133,6 @@ class Ring:
         self.capacity: int = ring.capacity
         self.max_message: int = lib.ring_max_message(ring)
         self.spin_ns = default_spin_ns() if spin_ns is None else spin_ns
-        self._streak = 0
         # Uncleared, so a ring this process only produces into costs no pages.
         self._out = _alloc_uncleared("uint8_t[]", self.max_message)
         self._poll = select.poll()
@@ -211,26 +208,17 @@ class Ring:
         raise VerificationFailed("corrupt message in ring", reason=os.strerror(-n))
 
     async def receive(self) -> bytes:
-        """Wait (trio) for the next message: spin for `spin_ns`, then park.
-
-        A message found without parking is returned without a trio checkpoint,
-        up to STREAK_WITHOUT_YIELD in a row: a busy ring costs no scheduler pass
-        per message, and the other tasks still run at least that often.
-        """
+        """Wait (trio) for the next message: spin for `spin_ns`, then park."""
         import trio  # here, so that processes without trio (the bridge) start quickly
 
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             data = self.pop()
             if data is not None:
-                if self._streak < STREAK_WITHOUT_YIELD:
-                    self._streak += 1
-                    return data
-                self._streak = 0
-                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.cancel_shielded_checkpoint()
                 return data
             if self._spin_then_prepare_park():
                 continue
-            self._streak = 0
             try:
                 await trio.lowlevel.wait_readable(self._eventfd)
             finally:
