@@ -214,6 +214,21 @@ def two_agents(
     return one, two
 
 
+def agents_editing_conf(
+    first: tuple[int, int, bytes], second: tuple[int, int, bytes]
+) -> tuple[Service, str, str, str]:
+    """A green volume holding CONF and two agents, each making one edit of it."""
+    service = Service()
+    green = service.green({"/image.conf": CONF})
+    one, two = two_agents(
+        service,
+        green,
+        lambda w: service.edit(w, "/image.conf", *first),
+        lambda w: service.edit(w, "/image.conf", *second),
+    )
+    return service, green, one, two
+
+
 def assert_rejected(
     service: Service, green: str, work: str, kinds: Iterable[str] | None = None
 ) -> list[dict[str, Any]]:
@@ -249,13 +264,8 @@ def assert_accepted(service: Service, work: str) -> int:
 
 
 def test_a_format_line_insert_moves_the_quality_range() -> None:
-    service = Service()
-    green = service.green({"/image.conf": CONF})
-    agent1, agent2 = two_agents(
-        service,
-        green,
-        lambda w: service.edit(w, "/image.conf", 0, 0, b"format=webp\n"),
-        lambda w: service.edit(w, "/image.conf", *QUALITY, b"90"),
+    service, green, agent1, agent2 = agents_editing_conf(
+        (0, 0, b"format=webp\n"), (*QUALITY, b"90")
     )
     assert assert_accepted(service, agent1) == 2
     assert service.read(green, "/image.conf") == b"format=webp\nquality=80\ncache=off\n"
@@ -273,28 +283,14 @@ def test_a_format_line_insert_moves_the_quality_range() -> None:
 
 @pytest.mark.parametrize("order", ["quality first", "cache first"])
 def test_quality_and_cache_both_accepted(order: str) -> None:
-    service = Service()
-    green = service.green({"/image.conf": CONF})
-    quality, cache = two_agents(
-        service,
-        green,
-        lambda w: service.edit(w, "/image.conf", *QUALITY, b"90"),
-        lambda w: service.edit(w, "/image.conf", *CACHE, b"on"),
-    )
+    service, green, quality, cache = agents_editing_conf((*QUALITY, b"90"), (*CACHE, b"on"))
     works = [quality, cache] if order == "quality first" else [cache, quality]
     assert [assert_accepted(service, w) for w in works] == [2, 3]
     assert service.read(green, "/image.conf") == b"quality=90\ncache=on\n"
 
 
 def test_90_against_60_is_a_conflict_with_its_three_values() -> None:
-    service = Service()
-    green = service.green({"/image.conf": CONF})
-    agent1, agent2 = two_agents(
-        service,
-        green,
-        lambda w: service.edit(w, "/image.conf", *QUALITY, b"90"),
-        lambda w: service.edit(w, "/image.conf", *QUALITY, b"60"),
-    )
+    service, green, agent1, agent2 = agents_editing_conf((*QUALITY, b"90"), (*QUALITY, b"60"))
     assert assert_accepted(service, agent1) == 2
     (conflict,) = assert_rejected(service, green, agent2, ["overlap"])
     assert conflict["path"] == "/image.conf"
@@ -311,14 +307,7 @@ def test_90_against_60_is_a_conflict_with_its_three_values() -> None:
 
 
 def test_both_writing_90_is_accepted_as_identical() -> None:
-    service = Service()
-    green = service.green({"/image.conf": CONF})
-    agent1, agent2 = two_agents(
-        service,
-        green,
-        lambda w: service.edit(w, "/image.conf", *QUALITY, b"90"),
-        lambda w: service.edit(w, "/image.conf", *QUALITY, b"90"),
-    )
+    service, green, agent1, agent2 = agents_editing_conf((*QUALITY, b"90"), (*QUALITY, b"90"))
     assert assert_accepted(service, agent1) == 2
     assert assert_accepted(service, agent2) == service.head(green)
     assert service.read(green, "/image.conf") == b"quality=90\ncache=off\n"
@@ -359,14 +348,7 @@ def test_delete_against_modify_is_a_conflict_in_either_order(first: str, kind: s
 
 
 def test_resolving_the_60_conflict_with_85() -> None:
-    service = Service()
-    green = service.green({"/image.conf": CONF})
-    agent1, agent2 = two_agents(
-        service,
-        green,
-        lambda w: service.edit(w, "/image.conf", *QUALITY, b"90"),
-        lambda w: service.edit(w, "/image.conf", *QUALITY, b"60"),
-    )
+    service, green, agent1, agent2 = agents_editing_conf((*QUALITY, b"90"), (*QUALITY, b"60"))
     assert_accepted(service, agent1)
     assert_rejected(service, green, agent2, ["overlap"])
     # Agent 2 reads the accepted version and starts fresh work from that head.
@@ -490,14 +472,7 @@ def test_a_truncate_op_then_a_write_is_a_whole_replacement_too() -> None:
 
 
 def test_a_precise_edit_of_the_same_change_does_not_conflict() -> None:
-    service = Service()
-    green = service.green({"/image.conf": CONF})
-    precise, editor = two_agents(
-        service,
-        green,
-        lambda w: service.edit(w, "/image.conf", *CACHE, b"on"),
-        lambda w: service.edit(w, "/image.conf", *QUALITY, b"60"),
-    )
+    service, green, precise, editor = agents_editing_conf((*CACHE, b"on"), (*QUALITY, b"60"))
     assert_accepted(service, editor)
     assert_accepted(service, precise)
     assert service.read(green, "/image.conf") == b"quality=60\ncache=on\n"
@@ -552,14 +527,7 @@ def test_two_different_appends_conflict_and_identical_appends_do_not() -> None:
 
 
 def test_inserting_where_the_other_deleted_is_insertion_point_deleted() -> None:
-    service = Service()
-    green = service.green({"/image.conf": CONF})
-    deleter, inserter = two_agents(
-        service,
-        green,
-        lambda w: service.edit(w, "/image.conf", 0, 11, b""),
-        lambda w: service.edit(w, "/image.conf", 9, 9, b"5"),
-    )
+    service, green, deleter, inserter = agents_editing_conf((0, 11, b""), (9, 9, b"5"))
     assert_accepted(service, deleter)
     assert_rejected(service, green, inserter, ["insertion point deleted"])
 
