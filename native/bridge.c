@@ -589,13 +589,16 @@ static void ns_to_ts(int64_t ns, struct timespec *ts)
     ts->tv_nsec = (long)rem;
 }
 
-static int attr_from(const msgpack_object *o, struct stat *st)
+/* Attributes from a shard's map.  `ino` is the kernel's node id; stat shows
+ * `st_ino` (the base file's inode number for base files) when present. */
+static int attr_from_node(const msgpack_object *o, struct stat *st, fuse_ino_t *node)
 {
     int64_t ino, mode, v;
     memset(st, 0, sizeof *st);
     if (!mp_int(mp_get(o, "ino"), &ino) || !mp_int(mp_get(o, "mode"), &mode))
         return EIO;
-    st->st_ino = (ino_t)ino;
+    *node = (fuse_ino_t)ino;
+    st->st_ino = mp_int(mp_get(o, "st_ino"), &v) && v > 0 ? (ino_t)v : (ino_t)ino;
     st->st_mode = (mode_t)mode;
     st->st_nlink = mp_int(mp_get(o, "nlink"), &v) ? (nlink_t)v : 1;
     st->st_uid = mp_int(mp_get(o, "uid"), &v) ? (uid_t)v : 0;
@@ -611,6 +614,12 @@ static int attr_from(const msgpack_object *o, struct stat *st)
     if (mp_int(mp_get(o, "ctime_ns"), &v))
         ns_to_ts(v, &st->st_ctim);
     return 0;
+}
+
+static int attr_from(const msgpack_object *o, struct stat *st)
+{
+    fuse_ino_t node;
+    return attr_from_node(o, st, &node);
 }
 
 /* A count result: an int, or a map holding it under `key`. */
@@ -1110,11 +1119,10 @@ static void reply_entry_from(fuse_req_t req, const msgpack_object *res, int crea
 {
     struct fuse_entry_param e;
     memset(&e, 0, sizeof e);
-    if (attr_from(res, &e.attr) != 0) {
+    if (attr_from_node(res, &e.attr, &e.ino) != 0) {
         fuse_reply_err(req, EIO);
         return;
     }
-    e.ino = e.attr.st_ino;
     e.attr_timeout = g.cache_timeout;
     e.entry_timeout = g.cache_timeout;
     if (create) {
@@ -1515,8 +1523,7 @@ static void do_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, i
         if (plus) {
             struct fuse_entry_param e;
             memset(&e, 0, sizeof e);
-            if (has_attr && attr_from(attr, &e.attr) == 0) {
-                e.ino = e.attr.st_ino;
+            if (has_attr && attr_from_node(attr, &e.attr, &e.ino) == 0) {
                 e.attr_timeout = g.cache_timeout;
                 e.entry_timeout = g.cache_timeout;
             } else {

@@ -83,7 +83,14 @@ def capture_into(source: str, volume: Volume, *, snapshot_id: str) -> Snapshot:
     top = live.stat("/")
     if top is None:
         raise ConsistentBaseUnavailable("the source vanished", path=source)
-    volume.setattr(ROOT_INO, time_ns=top.ctime_ns, mode=top.mode, uid=top.uid, gid=top.gid)
+    volume.setattr(
+        ROOT_INO,
+        time_ns=top.ctime_ns,
+        mode=top.mode,
+        uid=top.uid,
+        gid=top.gid,
+        st_ino=top.fingerprint.inode,
+    )
     first: dict[str, tuple[object, ...]] = {"/": _observed(top)}
     inos: dict[str, int] = {"/": ROOT_INO}
     linked: dict[tuple[int, int], int] = {}
@@ -112,7 +119,11 @@ def capture_into(source: str, volume: Volume, *, snapshot_id: str) -> Snapshot:
                 )
         inos[entry.path] = attr.ino
         volume.setattr(
-            attr.ino, time_ns=entry.ctime_ns, atime_ns=entry.atime_ns, mtime_ns=entry.mtime_ns
+            attr.ino,
+            time_ns=entry.ctime_ns,
+            atime_ns=entry.atime_ns,
+            mtime_ns=entry.mtime_ns,
+            st_ino=entry.fingerprint.inode,
         )
     for entry in reversed(dirs):  # children changed their parents' times
         volume.setattr(

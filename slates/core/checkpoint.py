@@ -89,7 +89,7 @@ __all__ = ["FORMAT", "VERSION", "LoadedState", "dump_state", "load_state"]
 #    "volumes": [volume, ...], "snapshots": [snapshot, ...],
 #    "snapshot_metadata_bytes": int}
 #   inode = [ino, kind, mode, uid, gid, nlink, atime_ns, mtime_ns, ctime_ns,
-#            {xattr name: value}, body]             body layout set by kind:
+#            {xattr name: value}, body, st_ino]     body layout set by kind:
 #     FILE    [size, [extent, ...], base_path|nil, [device, inode, size, mtime_ns]|nil,
 #              [record generation, [source, length, ...]]|nil (origin)]
 #             extent = [0, start, length, base_offset]                     (base)
@@ -318,6 +318,7 @@ class _Encoder:
                 inode.ctime_ns,
                 {name: inode.xattrs[name] for name in sorted(inode.xattrs)},
                 fields,
+                inode.st_ino,
             ]
         )
         self._inode_at[id(inode)] = index
@@ -517,7 +518,7 @@ class _Decoder:
             self.roots.append(root)
 
     def _inode(self, raw: Any) -> Inode:
-        f = _list(raw, "inode", 11)
+        f = _list(raw, "inode", 12)
         ino = _int(f[0], "ino", 1)
         kind = _KINDS.get(_int(f[1], "kind"))
         if kind is None:
@@ -550,6 +551,7 @@ class _Decoder:
             _int(f[8], "ctime_ns", None),
             immutables.Map(xattrs),
             body,
+            _int(f[11], "st_ino"),
         )
         if isinstance(body, FileBody):
             pages = tuple(e for e in body.extents if isinstance(e, PageSpan))

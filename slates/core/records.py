@@ -119,6 +119,7 @@ class Attr:
     mtime_ns: int
     ctime_ns: int
     rdev: int
+    st_ino: int = 0  # what stat reports (the base's number for base files)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -287,6 +288,7 @@ class SetAttr(Record):
     gid: int | None = None
     atime_ns: int | None = None
     mtime_ns: int | None = None
+    st_ino: int | None = None  # capture only: the inode number the source reported
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

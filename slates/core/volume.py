@@ -121,6 +121,7 @@ from slates.errors import (
 
 __all__ = [
     "ROOT_INO",
+    "PRIVATE_ST_INO",
     "CHUNK_SIZE",
     "INODE_COST",
     "MAX_FILE_SIZE",
@@ -142,6 +143,9 @@ __all__ = [
 ]
 
 ROOT_INO = 1
+# Inode numbers stat reports for inodes with no base inode number of their own:
+# tagged above any base file system's numbers, so the two never collide.
+PRIVATE_ST_INO = 1 << 56
 CHUNK_SIZE = 64 * 1024
 INODE_COST = 512  # metadata bytes charged per inode a volume creates
 MAX_NAME_BYTES = 255
@@ -213,6 +217,9 @@ class Inode:
     ctime_ns: int
     xattrs: immutables.Map[str, bytes]
     body: Body
+    # The inode number stat reports when not our own: the base file's, so tools
+    # that remember inode numbers (git's index) see the files they knew.
+    st_ino: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -845,6 +852,7 @@ class Volume:
                 e.ctime_ns,
                 _EMPTY_XATTRS,
                 body,
+                e.fingerprint.inode,
             )
             txn.put(inode)
             if e.kind == Kind.FILE:
@@ -1217,7 +1225,7 @@ class Volume:
     def _setattr(self, txn: _Txn, r: SetAttr) -> Attr:
         inode = txn.get(r.ino)
         changes: dict[str, int] = {"ctime_ns": r.time_ns}
-        for name in ("mode", "uid", "gid", "atime_ns", "mtime_ns"):
+        for name in ("mode", "uid", "gid", "atime_ns", "mtime_ns", "st_ino"):
             value = getattr(r, name)
             if value is not None:
                 _check_count(value, name)
@@ -1430,6 +1438,7 @@ class Volume:
             inode.mtime_ns,
             inode.ctime_ns,
             rdev,
+            inode.st_ino or PRIVATE_ST_INO | inode.ino,
         )
 
     def getattr(self, ino: int) -> Attr:
@@ -1740,9 +1749,10 @@ class Volume:
         gid: int | None = None,
         atime_ns: int | None = None,
         mtime_ns: int | None = None,
+        st_ino: int | None = None,
     ) -> Attr:
         return self._attr_result(
-            self.apply(SetAttr(ino, time_ns, mode, uid, gid, atime_ns, mtime_ns))
+            self.apply(SetAttr(ino, time_ns, mode, uid, gid, atime_ns, mtime_ns, st_ino))
         )
 
     def setxattr(

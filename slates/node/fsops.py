@@ -45,6 +45,7 @@ MAX_READ = 1 << 20  # the bridge's max_read; a reply then fits one ring message
 def attr_map(attr: Attr) -> dict[str, int]:
     return {
         "ino": attr.ino,
+        "st_ino": attr.st_ino,
         "mode": MODE_BITS[attr.kind] | attr.mode,
         "nlink": attr.nlink,
         "uid": attr.uid,

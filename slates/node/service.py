@@ -100,6 +100,7 @@ class Version:
 def _attr_dict(attr: Attr) -> dict[str, Any]:
     return {
         "ino": attr.ino,
+        "st_ino": attr.st_ino,
         "kind": attr.kind.name.lower(),
         "mode": attr.mode,
         "nlink": attr.nlink,
