@@ -21,12 +21,14 @@ import difflib
 import os
 import secrets
 import sys
+import termios
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from slates.errors import AccessDenied, InvalidArgument
 from slates.node.runtime import Runtime
@@ -85,15 +87,38 @@ def _short(state: list[Any] | None) -> str:
     return f"{kind} {digest[:12] if digest else ''} {mode:o}".replace("  ", " ")
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)]}
+_CONTROL.pop(0x0A)  # newlines are kept in diffs
+_CONTROL.pop(0x09)
+
+
+def _safe(text: str) -> str:
+    """Text a terminal shows as it is: control characters (escape sequences that
+    could hide or rewrite what a reviewer sees) and undecodable bytes escaped."""
+    text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return text.translate(_CONTROL)
+
+
+def _cell(text: str) -> Text:
+    return Text(_safe(text).replace("\n", "\\n"))
+
+
 def _manifest_table(plan: dict[str, Any], title: str) -> Table:
-    table = Table(title=title, title_justify="left")
+    table = Table(title=_cell(title), title_justify="left")
     for column in ("action", "path", "witnessed", "proposed"):
         table.add_column(column)
     for entry in plan["entries"]:
         table.add_row(
-            _action(entry), entry["path"], _short(entry["witnessed"]), _short(entry["proposed"])
+            _action(entry),
+            _cell(entry["path"]),
+            _short(entry["witnessed"]),
+            _short(entry["proposed"]),
         )
     return table
+
+
+def _where(plan: dict[str, Any]) -> str:
+    return f"{plan['manifest']}: {plan['source']} into {plan['target']}"
 
 
 def _diff(path: str, disk: bytes | None, proposed: bytes | None) -> str:
@@ -110,17 +135,19 @@ def _diff(path: str, disk: bytes | None, proposed: bytes | None) -> str:
         f"disk/{path}" if disk is not None else "/dev/null",
         f"proposed/{path}" if proposed is not None else "/dev/null",
     )
-    return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+    return "".join(_safe(line if line.endswith("\n") else line + "\n") for line in lines)
 
 
-def _show(client: Client, plan: dict[str, Any], console: Console, title: str) -> None:
-    console.print(_manifest_table(plan, title))
+def _show(client: Client, plan: dict[str, Any], title: str, *, err: bool = False) -> None:
+    """The manifest table and each file's diff (on stderr with err, e.g. before --json)."""
+    Console(stderr=err).print(_manifest_table(plan, f"{title} {_where(plan)}"))
     for entry in plan["entries"]:
         kinds = {s[0] for s in (entry["witnessed"], entry["proposed"]) if s is not None}
         if kinds & {"dir"} or _action(entry).startswith("mode"):
             continue
         content = client.land_content(plan["manifest"], entry["path"])
-        click.echo(_diff(entry["path"], content["disk"], content["proposed"]), nl=False)
+        diff = _diff(_safe(entry["path"]), content["disk"], content["proposed"])
+        click.echo(diff, nl=False, err=err)
 
 
 @land.command("plan")
@@ -145,14 +172,13 @@ def land_plan(
         if as_json:
             _echo_json(plan)
             return
-        console = Console()
-        _show(client, plan, console, f"Landing plan {plan['manifest']}")
+        _show(client, plan, "Landing plan")
     click.echo(
         f"{len(plan['entries'])} entries; approve with: slates land approve {plan['manifest']}"
     )
 
 
-def _confirm_on_terminal(manifest: str) -> None:
+def _confirm_on_terminal(manifest: str, target: str) -> None:
     """A human types the manifest id's first characters on the controlling terminal."""
     try:
         tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
@@ -160,8 +186,12 @@ def _confirm_on_terminal(manifest: str) -> None:
         raise AccessDenied("approval needs a person at a terminal (no /dev/tty)") from None
     expected = manifest.rsplit("-", 1)[-1][:8]
     try:
-        prompt = f"Type {expected} to approve landing {manifest} (anything else refuses): "
-        os.write(tty, prompt.encode())
+        termios.tcflush(tty, termios.TCIFLUSH)  # nothing typed ahead counts
+        prompt = (
+            f"Type {expected} to approve landing {manifest} into {_safe(target)} "
+            "(anything else refuses): "
+        )
+        os.write(tty, prompt.encode("utf-8", "backslashreplace"))
         answer = b""
         while not answer.endswith(b"\n") and len(answer) < 256:
             piece = os.read(tty, 256)
@@ -188,13 +218,17 @@ def _credential(runtime_dir: str | None, path: str | None) -> bytes:
 
 
 def _outcomes(result: dict[str, Any]) -> Table:
-    table = Table(
-        title=f"Landing {result['manifest']} into {result['target']}", title_justify="left"
-    )
-    for column in ("outcome", "path", "disk before"):
+    title = _cell(f"Landing {result['manifest']} into {result['target']}")
+    table = Table(title=title, title_justify="left")
+    for column in ("outcome", "path", "disk before", "reason"):
         table.add_column(column)
     for entry in result["entries"]:
-        table.add_row(entry["outcome"], entry["path"], _short(entry["disk"]))
+        table.add_row(
+            entry["outcome"],
+            _cell(entry["path"]),
+            _short(entry["disk"]),
+            _cell(str(entry.get("reason", ""))),
+        )
     return table
 
 
@@ -215,8 +249,8 @@ def land_approve(
     """Show MANIFEST, confirm at the terminal, and land it (the only way a grant is made)."""
     with _client(runtime_dir) as client:
         plan = client.land_show(manifest)
-        _show(client, plan, Console(stderr=True), f"Approve landing {manifest}?")
-        _confirm_on_terminal(manifest)
+        _show(client, plan, "Approve landing", err=True)
+        _confirm_on_terminal(manifest, plan["target"])
         grant = client.call(
             shard_of(manifest),
             "land.grant",
@@ -230,9 +264,11 @@ def land_approve(
     else:
         Console().print(_outcomes(result))
     if not result["complete"]:
+        outcomes = [e["outcome"] for e in result["entries"]]
         click.echo(
-            f"error: LandingConflict: {result['conflicts']} conflicting entries left alone; "
-            "read-base and rewitness after review, then approve the new manifest",
+            f"error: LandingConflict: {outcomes.count('conflict')} conflicting entries left "
+            f"alone, {outcomes.count('failed')} failed, {outcomes.count('not attempted')} "
+            "not attempted; read-base and rewitness after review, then approve the new manifest",
             err=True,
         )
         raise SystemExit(LANDING_EXIT)
@@ -266,5 +302,5 @@ def rewitness(
         if as_json:
             _echo_json(renewed)
             return
-        _show(client, renewed, Console(), f"New manifest {renewed['manifest']}")
+        _show(client, renewed, "New manifest")
     click.echo(f"approve with: slates land approve {renewed['manifest']}")

@@ -95,10 +95,16 @@ def test_entries_list_path_witness_and_proposal_on_the_wire() -> None:
     assert [item[0] for item in wire[3]] == sorted(by_path)
 
 
+def test_selecting_a_path_inside_a_new_directory_brings_the_directory() -> None:
+    chosen = sample().select(["conf/settings.conf"])
+    assert [e.path for e in chosen.entries] == ["conf", "conf/settings.conf"]
+    assert sample().select(["/"]) == sample()
+
+
 def test_changing_the_selection_changes_the_id() -> None:
     whole = sample()
     ids = {whole.manifest_id}
-    for paths in (["src"], ["conf"], ["conf/settings.conf"], ["README.md", "src/app.py"]):
+    for paths in (["src"], ["conf"], ["latest"], ["README.md", "src/app.py"]):
         chosen = whole.select(paths)
         assert 0 < len(chosen.entries) < len(whole.entries)
         ids.add(chosen.manifest_id)

@@ -233,8 +233,8 @@ async def _agent(call: Call, session: ClientSession, project: Path, green: str) 
     assert only["id"] != plan["id"]
     disk = await ok(call, "read_base", manifest=plan["manifest"], path="image.conf")
     assert (disk["exists"], disk["encoding"], disk["data"]) == (True, "utf-8", CONF.decode())
-    disk = await ok(call, "read_base", manifest=plan["manifest"], path="blob.bin")
-    assert base64.b64decode(disk["data"]) == BINARY
+    # Only the manifest's own entries can be read: blob.bin is unchanged, so not one.
+    await failed(call, "InvalidArgument", "read_base", manifest=plan["manifest"], path="blob.bin")
     absent = await ok(call, "read_base", manifest=plan["manifest"], path="docs/notes.txt")
     assert absent["exists"] is False
     return str(w2)

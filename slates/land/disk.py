@@ -35,7 +35,13 @@ from types import TracebackType
 
 import blake3
 
-from slates.errors import AccessDenied, InvalidArgument, LandingConflict, NotFound
+from slates.errors import (
+    AccessDenied,
+    InvalidArgument,
+    LandingConflict,
+    NotFound,
+    VerificationFailed,
+)
 from slates.land.manifest import Decision, Entry, State, check_relative, decide
 
 __all__ = ["Target", "state_of_bytes", "TEMP_PREFIX", "LEASE_SECONDS"]
@@ -57,6 +63,25 @@ def _renameat2(src_dir: int, src: str, dst_dir: int, dst: str, flags: int) -> No
 
 def state_of_bytes(kind: str, data: bytes, mode: int) -> State:
     return State(kind, blake3.blake3(data).hexdigest(), mode & 0o7777)
+
+
+def _open_regular(dir_fd: int, name: str) -> int | None:
+    """An fd of the regular file `name`, or None if it is anything else.
+
+    Opened non-blocking (a fifo swapped in would otherwise block the shard)
+    and checked on the fd itself, so what is read is what was checked.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.ENOENT):
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
 
 
 class _ParentGone(Exception):
@@ -87,7 +112,7 @@ class Target:
                 "the target is not a directory", target=path, reason=str(exc)
             ) from None
         self.path = path
-        self._cleaned: set[str] = set()
+        self._pending_modes: list[tuple[str, int]] = []
         self._leased = lease
         if lease:
             self._lease()
@@ -146,23 +171,9 @@ class Target:
                     raise _ParentGone(path) from None
                 os.close(fd)
                 fd = child
-            parent = "/".join(parts[:-1])
-            if self._leased and parent not in self._cleaned:
-                self._clean(fd)  # only the lease holder may touch temporary names
-                self._cleaned.add(parent)
             yield fd, parts[-1]
         finally:
             os.close(fd)
-
-    def _clean(self, dir_fd: int) -> None:
-        """Remove what a crashed landing left beside its entries."""
-        for name in os.listdir(dir_fd):
-            if name.startswith(TEMP_PREFIX):
-                with contextlib.suppress(OSError):
-                    if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-                        os.rmdir(name, dir_fd=dir_fd)
-                    else:
-                        os.unlink(name, dir_fd=dir_fd)
 
     @staticmethod
     def _state_at(dir_fd: int, name: str) -> State | None:
@@ -177,7 +188,9 @@ class Target:
             return state_of_bytes("symlink", os.readlink(name, dir_fd=dir_fd).encode(), 0o777)
         if not stat.S_ISREG(st.st_mode):
             return State("other", "", mode)  # never equal to a manifest state
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = _open_regular(dir_fd, name)
+        if fd is None:
+            return State("other", "", mode)  # replaced by something else meanwhile
         try:
             digest = blake3.blake3()
             while chunk := os.read(fd, 1 << 20):
@@ -204,7 +217,11 @@ class Target:
                     raise InvalidArgument("a directory has no content", path=path)
                 if st.st_size > MAX_READ:
                     raise InvalidArgument("read_base reads at most 16 MiB", path=path)
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                fd = _open_regular(dir_fd, name)
+                if fd is None:
+                    raise InvalidArgument(
+                        "not a regular file (a fifo, device or socket)", path=path
+                    )
                 try:
                     return os.read(fd, MAX_READ + 1)[:MAX_READ]
                 finally:
@@ -218,6 +235,8 @@ class Target:
         """Land one entry (content: the proposed bytes or link target); returns what happened."""
         try:
             with self._parent(entry.path) as (dir_fd, name):
+                if not self._recover(dir_fd, name, entry):
+                    return Decision.CONFLICT, self._state_at(dir_fd, name)
                 disk = self._state_at(dir_fd, name)
                 decision = decide(entry.witnessed, disk, entry.proposed)
                 if decision is Decision.APPLY:
@@ -231,14 +250,44 @@ class Target:
             return (Decision.CONFLICT if decision is Decision.APPLY else decision), None
 
     def _temp_name(self, name: str) -> str:
-        return f"{TEMP_PREFIX}{blake3.blake3(name.encode()).hexdigest()[:24]}"
+        digest = blake3.blake3(name.encode("utf-8", "surrogateescape")).hexdigest()
+        return f"{TEMP_PREFIX}{digest[:24]}"
+
+    def _recover(self, dir_fd: int, name: str, entry: Entry) -> bool:
+        """Deal with what a landing that crashed left at this entry's temporary name.
+
+        Our own leftovers (the witness moved aside, a proposal or an empty
+        directory being built) are removed.  Anything else is someone's save
+        caught mid-swap: it goes back to the name if ours took its place, and
+        the entry is a conflict (False); nothing of theirs is ever removed.
+        """
+        temp = self._temp_name(name)
+        leftover = self._state_at(dir_fd, temp)
+        if leftover is None:
+            return True
+        ours = leftover in (entry.witnessed, entry.proposed) or (
+            leftover.kind == "dir" and self._is_empty_dir(dir_fd, temp)
+        )
+        if ours:
+            self._discard(dir_fd, temp)
+            return True
+        if self._state_at(dir_fd, name) == entry.proposed:
+            _renameat2(dir_fd, temp, dir_fd, name, _RENAME_EXCHANGE)
+            self._discard(dir_fd, temp)
+        return False
+
+    @staticmethod
+    def _is_empty_dir(dir_fd: int, name: str) -> bool:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        try:
+            return not os.listdir(fd)
+        finally:
+            os.close(fd)
 
     def _replace(self, dir_fd: int, name: str, entry: Entry, content: bytes | None) -> Decision:
         """Put the proposal at `name` in one atomic step; the witness is checked after it."""
         proposed, witnessed = entry.proposed, entry.witnessed
         temp = self._temp_name(name)
-        with contextlib.suppress(FileNotFoundError):
-            self._discard(dir_fd, temp)
         if proposed is None:
             return self._remove(dir_fd, name, temp, witnessed)
         if (
@@ -246,13 +295,15 @@ class Target:
             and witnessed.kind == proposed.kind
             and witnessed.digest == proposed.digest
         ):
-            return self._chmod(dir_fd, name, proposed)
+            return self._chmod(dir_fd, name, proposed, entry.path)
         # Build the whole new entry under the temporary name first.
         if proposed.kind == "dir":
             os.mkdir(temp, 0o700, dir_fd=dir_fd)
-            os.chmod(temp, proposed.mode, dir_fd=dir_fd)  # exactly, whatever the umask
-        elif content is None:
-            raise InvalidArgument("the proposal's content is missing", path=entry.path)
+            self._set_dir_mode(dir_fd, temp, entry.path, proposed.mode)
+        elif content is None or state_of_bytes(proposed.kind, content, 0).digest != proposed.digest:
+            raise VerificationFailed(
+                "the content to write is not the approved proposal", path=entry.path
+            )
         else:
             self._write_temp(dir_fd, temp, proposed, content)
         if witnessed is None:
@@ -346,9 +397,31 @@ class Target:
             return Decision.CONFLICT
         return Decision.APPLY
 
-    def _chmod(self, dir_fd: int, name: str, proposed: State) -> Decision:
+    def _set_dir_mode(self, dir_fd: int, temp: str, path: str, mode: int) -> None:
+        """A new directory's mode, exactly (whatever the umask); one that would
+        keep this landing from writing inside it is set by `finish`, at the end."""
+        if mode & 0o300 == 0o300:
+            os.chmod(temp, mode, dir_fd=dir_fd)
+        else:
+            self._pending_modes.append((path, mode))
+
+    def finish(self) -> None:
+        """Apply the directory modes held back until the entries inside were written."""
+        for path, mode in sorted(self._pending_modes, key=lambda pm: -pm[0].count("/")):
+            with contextlib.suppress(_ParentGone, OSError), self._parent(path) as (dir_fd, name):
+                fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                try:
+                    os.fchmod(fd, mode)
+                finally:
+                    os.close(fd)
+        self._pending_modes.clear()
+
+    def _chmod(self, dir_fd: int, name: str, proposed: State, path: str) -> Decision:
         if proposed.kind == "symlink":
             return Decision.APPLY  # links have no mode of their own
+        if proposed.kind == "dir" and proposed.mode & 0o300 != 0o300:
+            self._pending_modes.append((path, proposed.mode))
+            return Decision.APPLY
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(name, flags | (os.O_DIRECTORY if proposed.kind == "dir" else 0), dir_fd=dir_fd)
         try:

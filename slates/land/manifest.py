@@ -124,7 +124,9 @@ class Manifest:
 
     def encode(self) -> bytes:
         """The canonical encoding: the same manifest always gives the same bytes."""
-        out: bytes = msgpack.packb(self.to_wire(), use_bin_type=True)
+        out: bytes = msgpack.packb(
+            self.to_wire(), use_bin_type=True, unicode_errors="surrogateescape"
+        )
         return out
 
     @property
@@ -133,13 +135,27 @@ class Manifest:
 
     def select(self, paths: Iterable[str]) -> Manifest:
         """The entries at or below the selected paths."""
-        chosen = [check_relative(p.strip("/")) for p in paths]
-        entries = tuple(
-            e
+        chosen = [p.strip("/") for p in paths]
+        if "" in chosen:
+            return self  # the whole target
+        chosen = [check_relative(p) for p in chosen]
+        picked = {
+            e.path
             for e in self.entries
             if any(e.path == p or e.path.startswith(p + "/") for p in chosen)
-        )
-        return dataclasses.replace(self, entries=entries)
+        }
+        # A chosen entry inside a directory this landing creates needs that directory too.
+        new_dirs = {
+            e.path
+            for e in self.entries
+            if e.proposed is not None
+            and e.proposed.kind == "dir"
+            and (e.witnessed is None or e.witnessed.kind != "dir")
+        }
+        for path in list(picked):
+            parts = path.split("/")
+            picked |= {"/".join(parts[:i]) for i in range(1, len(parts))} & new_dirs
+        return dataclasses.replace(self, entries=tuple(e for e in self.entries if e.path in picked))
 
     def rewitnessed(self, observed: dict[str, State | None]) -> Manifest:
         """The same proposal with new witnesses for some paths (a new manifest, a new id)."""

@@ -32,7 +32,14 @@ import blake3
 
 from slates.core.records import Kind
 from slates.core.volume import ROOT_INO, DirBody, FileBody, Root, SymlinkBody
-from slates.errors import AccessDenied, GrantInvalid, InvalidArgument, NotFound, NotSupported
+from slates.errors import (
+    AccessDenied,
+    GrantInvalid,
+    InvalidArgument,
+    NotFound,
+    NotSupported,
+    SlatesError,
+)
 from slates.land.disk import Target, state_of_bytes
 from slates.land.manifest import (
     Decision,
@@ -199,7 +206,7 @@ class LandingDesk:
                     if entry.proposed is not None and entry.proposed.kind != "dir":
                         body = content(entry.path)
                     decision, disk = target.apply(entry, body)
-                except (OSError, AccessDenied, InvalidArgument) as exc:
+                except (OSError, SlatesError) as exc:
                     outcomes.append(_outcome(entry, "failed", None, reason=str(exc)))
                     outcomes += [_outcome(e, "not attempted", None) for e in pending[index + 1 :]]
                     break
@@ -209,6 +216,7 @@ class LandingDesk:
                     Decision.CONFLICT: "conflict",
                 }[decision]
                 outcomes.append(_outcome(entry, word, disk))
+            target.finish()
         emit(["grant_used", token])
         conflicts = sum(1 for o in outcomes if o["outcome"] == "conflict")
         complete = all(o["outcome"] in ("applied", "identical") for o in outcomes)
@@ -222,18 +230,35 @@ class LandingDesk:
 
     @staticmethod
     def read_base(manifest: Manifest, path: str) -> bytes | None:
-        return Target(manifest.target, lease=False).read(check_relative(path.strip("/")))
+        """What the disk holds now at one of the manifest's entries (nothing else)."""
+        entry = _entry_at(manifest, path)
+        with Target(manifest.target, lease=False) as target:
+            return target.read(entry)
 
     @staticmethod
     def observe(manifest: Manifest, paths: list[str] | None) -> dict[str, State | None]:
         """The disk's state now for the manifest's entries (or the chosen ones)."""
-        chosen = {check_relative(p.strip("/")) for p in paths} if paths else None
+        entries = [e.path for e in (manifest.select(paths) if paths else manifest).entries]
+        if paths and not entries:
+            raise InvalidArgument("no entry of the manifest is at these paths", paths=paths[:8])
+        observed: dict[str, State | None] = {}
         with Target(manifest.target, lease=False) as target:
-            return {
-                entry.path: target.state(entry.path)
-                for entry in manifest.entries
-                if chosen is None or entry.path in chosen
-            }
+            for path in entries:
+                state = target.state(path)
+                if state is not None and state.kind not in ("file", "dir", "symlink"):
+                    raise InvalidArgument(
+                        "the disk holds a fifo, device or socket at this entry", path=path
+                    )
+                observed[path] = state
+        return observed
+
+
+def _entry_at(manifest: Manifest, path: str) -> str:
+    """`path` if it is one of the manifest's entries: reads of the disk stop there."""
+    wanted = check_relative(path.strip("/"))
+    if not any(entry.path == wanted for entry in manifest.entries):
+        raise InvalidArgument("not an entry of this manifest", path=wanted)
+    return wanted
 
 
 def _state(root: Root, ino: int, read: Callable[[Root, int], bytes]) -> State:

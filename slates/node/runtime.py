@@ -117,18 +117,26 @@ class Runtime:
         return self.path / "approver.key"
 
     def ensure_approver_key(self) -> Path:
-        """Create the approver credential at first start; keep it across restarts."""
+        """Create the approver credential at first start; keep it across restarts.
+
+        Written to a temporary name and renamed, so a crash never leaves an
+        empty credential; one that is too short or not private is replaced.
+        """
         path = self.approver_key_file
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except FileExistsError:
-            if stat.S_IMODE(path.lstat().st_mode) & 0o077 or not path.is_file():
-                raise AccessDenied(
-                    "the approver credential is not private", path=str(path)
-                ) from None
-            return path
+            st = path.lstat()
+            private = stat.S_ISREG(st.st_mode) and not stat.S_IMODE(st.st_mode) & 0o077
+            if private and len(path.read_bytes().strip()) >= 32:
+                return path
+        except FileNotFoundError:
+            pass
+        temp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as out:
             out.write(secrets.token_hex(32).encode())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, path)
         return path
 
     @property

@@ -34,6 +34,7 @@ routes by id without any lookup.
 from __future__ import annotations
 
 import dataclasses
+import os
 import posixpath
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,6 +47,7 @@ from slates.core.host import Host
 from slates.core.records import Attr, Kind, Record, TakeSnapshot, decode, encode
 from slates.core.volume import BaseReader, Capacity, Snapshot, Volume, chunk_ids
 from slates.errors import (
+    AccessDenied,
     InvalidArgument,
     IsADirectory,
     MissingContent,
@@ -56,7 +58,7 @@ from slates.errors import (
     VerificationFailed,
     error_from_wire,
 )
-from slates.land.manifest import Manifest
+from slates.land.manifest import Manifest, check_relative
 from slates.merge import changes as merge_changes
 from slates.merge import tree as merge_tree
 from slates.node.fsops import run_fs_op
@@ -69,6 +71,7 @@ MAX_UNACKED = 1024
 MAX_READ_BYTES = 16 << 20  # one reply stays well under the 64 MiB frame limit
 READ_ONLY_OPS = frozenset(
     {"status", "volume.list", "volume.show", "read", "list", "stat", "readlink"}
+    | {"versions", "changed_since", "land.show", "land.read_base", "land.content"}
     | {"fs.getattr", "fs.read", "fs.readlink", "fs.getxattr", "fs.listxattr", "fs.statfs"}
     | {"fs.lseek", "fs.access", "fs.fsync", "bye"}
 )
@@ -151,6 +154,7 @@ class ShardService:
         host: Host,
         open_base: Callable[[str], BaseReader],
         approver_key: bytes | None = None,
+        protected: tuple[str, ...] = (),
     ) -> None:
         self.index = index
         self.host = host
@@ -170,6 +174,10 @@ class ShardService:
         self.works: dict[str, tuple[str, int]] = {}  # work volume id -> (green, base version)
         self._path_indexes: dict[str, dict[int, str]] = {}  # snapshot id -> path index
         self.desk = LandingDesk(approver_key)
+        # Directories no base and no landing may reach: the runtime directory,
+        # which holds the approver credential.
+        self.protected = tuple(os.path.realpath(p) for p in protected)
+        self.green_sources: dict[str, str | None] = {}  # the directory a green captured
         self._originals: tuple[merge_changes.Change, ...] = ()
         self._events: list[Event] = []
         # The records applied by the current request, for the driver's cache
@@ -439,6 +447,7 @@ class ShardService:
             return self._new_volume(name, None, capacity, case_insensitive, now)
         if not isinstance(base_path, str) or not base_path.startswith("/"):
             raise InvalidArgument("the base is an absolute directory path", base=str(base_path))
+        self._check_unprotected(base_path, "base")
         if not args.get("capture", False):
             return self._new_volume(name, base_path, capacity, case_insensitive, now)
         scratch = self._new_volume(f"{name} (capturing)", None, capacity, case_insensitive, now)
@@ -497,10 +506,12 @@ class ShardService:
         """
         if args.get("from") is not None:
             raise InvalidArgument("a green volume starts empty or from a base directory")
-        create = {**args, "capture": args.get("base") is not None}
+        base = args.get("base")
+        create = {**args, "capture": base is not None}
         vid = self._create_volume(create, now)["id"]
         snapshot = self.volumes[vid].snapshot(self._new_id("snap"))
-        self._emit(["green", vid, snapshot.snapshot_id])
+        source = os.path.realpath(base) if isinstance(base, str) else None
+        self._emit(["green", vid, snapshot.snapshot_id, source])
         return {**self.info(vid), "version": 0}
 
     def _create_work(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -776,6 +787,17 @@ class ShardService:
             case _:
                 raise InvalidArgument("unknown operation", op=op)
 
+    def _check_unprotected(self, path: str, what: str) -> None:
+        """Refuse a directory that is, holds or lies inside a protected one."""
+        real = os.path.realpath(path)
+        for protected in self.protected:
+            if (
+                real == protected
+                or protected.startswith(real.rstrip("/") + "/")
+                or (real.startswith(protected + "/"))
+            ):
+                raise AccessDenied(f"the {what} would reach Slates' runtime directory", path=path)
+
     def _land_plan(self, args: dict[str, Any]) -> Manifest:
         vid, volume = self._volume(args)
         target = _str_arg(args, "target")
@@ -786,6 +808,18 @@ class ShardService:
             isinstance(paths, list) and all(isinstance(p, str) for p in paths)
         ):
             raise InvalidArgument("paths must be a list of paths")
+        for path in paths or ():
+            if path.strip("/"):
+                check_relative(path.strip("/"))
+        green = vid if vid in self.greens else self.works.get(vid, ("", 0))[0]
+        source_dir = self.green_sources.get(green)
+        if source_dir is not None and os.path.realpath(target) != source_dir:
+            raise InvalidArgument(
+                "a green volume lands only into the directory it was captured from",
+                target=target,
+                directory=source_dir,
+            )
+        self._check_unprotected(target, "target")
         if vid in self.greens:
             ledger = self.greens[vid]
             version = _int_arg(args, "version", len(ledger) - 1)
@@ -921,8 +955,11 @@ class ShardService:
                 self._after_record(record, result)
             case ["plan", _] | ["grant", _, _] | ["grant_used", _]:
                 self.desk.apply_event(event)
-            case ["green", str(vid), str(snapshot_id)]:
+            case ["green", str(vid), str(snapshot_id), source] if source is None or isinstance(
+                source, str
+            ):
                 self.greens[vid] = [Version(0, snapshot_id, -1, "", ())]
+                self.green_sources[vid] = source
             case ["work", str(vid), str(green), int(version)]:
                 self.works[vid] = (green, version)
             case ["based", str(vid), int(version)] if vid in self.works:
@@ -1066,6 +1103,7 @@ class ShardService:
                 for green, ledger in self.greens.items()
             },
             "works": {vid: list(found) for vid, found in self.works.items()},
+            "green_sources": self.green_sources,
             "landing": self.desk.to_wire(),
         }
         out: bytes = msgpack.packb({"state": state, "meta": meta}, use_bin_type=True)
@@ -1106,6 +1144,7 @@ class ShardService:
                 for green, entries in meta["greens"].items()
             }
             works = {vid: (str(g), int(v)) for vid, (g, v) in meta["works"].items()}
+            self.green_sources = dict(meta["green_sources"])
             self.desk.restore(meta["landing"])
         except (KeyError, TypeError, ValueError) as exc:
             raise VerificationFailed("the checkpoint is malformed", reason=str(exc)) from None

@@ -81,6 +81,7 @@ __all__ = [
 # Journal bytes that trigger a checkpoint (bounds replay); tests set it small.
 CHECKPOINT_EVERY_BYTES = int(os.environ.get("SLATES_CHECKPOINT_BYTES", 64 << 20))
 MAX_CONNECTIONS = 256
+MIN_APPROVER_KEY = 32  # bytes: a shorter (an empty) credential approves nothing
 # Each ring carries messages up to half its capacity: 4 MiB rings hold a
 # mount's 1 MiB reads and writes with their envelope, so only SDK calls
 # larger than 2 MiB travel on the socket.
@@ -110,12 +111,15 @@ class Shard:
         arena_fd: int,
         capacity: int,
         approver_key: bytes | None = None,
+        protected: tuple[str, ...] = (),
     ) -> None:
         self.index = index
         self.journal = Journal(Segment(journal_fd))
         self.checkpoints = Checkpoints(Segment(checkpoint_fd))
         self.host = Host(capacity=capacity, chunks=ArenaChunks(Segment(arena_fd)))
-        self.service = ShardService(index, self.host, LiveDirectory, approver_key)
+        self.service = ShardService(
+            index, self.host, LiveDirectory, approver_key, protected=protected
+        )
         self.connections = 0
         self.watchers: dict[str, set[Watcher]] = {}
         self.pending: dict[str, list[list[Any]]] = {}
@@ -450,11 +454,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     _die_with_parent()
     key = None
+    protected: tuple[str, ...] = ()
     if args.approver_key:
         with open(args.approver_key, "rb") as credential:
             key = credential.read().strip()
+        if len(key) < MIN_APPROVER_KEY:
+            _log("the approver credential is too short: no landing can be approved")
+            key = None
+        protected = (os.path.dirname(os.path.abspath(args.approver_key)),)
     shard = Shard(
-        args.index, args.journal_fd, args.checkpoint_fd, args.arena_fd, args.capacity, key
+        args.index,
+        args.journal_fd,
+        args.checkpoint_fd,
+        args.arena_fd,
+        args.capacity,
+        key,
+        protected,
     )
     started = time.monotonic()
     replayed = shard.recover()
