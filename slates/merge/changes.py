@@ -126,6 +126,7 @@ class Remove:
     name: str
     path: str
     kind: Kind
+    last: bool = True  # the object is gone (no other link remains)
 
 
 Change = Edit | Meta | Add | Link | Move | Remove
@@ -166,10 +167,11 @@ class _Accepted:
     names: dict[tuple[int, str], Change]  # (parent, name) an increment filled
     filled_dirs: set[int]  # existing directories something was added into
     dir_moves: list[tuple[str, str]]
+    unlinked: set[tuple[int, str]]  # every entry an increment removed or moved away
 
     @classmethod
     def of(cls, increment: Iterable[Change]) -> _Accepted:
-        index = cls({}, {}, {}, {}, {}, set(), [])
+        index = cls({}, {}, {}, {}, {}, set(), [], set())
         for change in increment:
             match change:
                 case Edit():
@@ -177,8 +179,11 @@ class _Accepted:
                 case Meta():
                     index.meta[change.ino] = change
                 case Remove():
-                    index.removed[change.ino] = change
+                    index.unlinked.add((change.parent, change.name))
+                    if change.last:  # only then is the object itself gone
+                        index.removed[change.ino] = change
                 case Move():
+                    index.unlinked.add((change.parent, change.name))
                     index.moved[change.ino] = change
                     index.names[(change.to_parent, change.to_name)] = change
                     index.filled_dirs.add(change.to_parent)
@@ -287,19 +292,29 @@ def map_through(
                 if mode is not None or rest:
                     mapped.append(dataclasses.replace(change, mode=mode, xattrs=rest))
             case Remove():
-                if change.ino in accepted.edits or change.ino in accepted.meta:
-                    conflict(change.path, "delete vs modify", change.ino)
-                elif change.ino in accepted.moved:
+                theirs_move = accepted.moved.get(change.ino)
+                if theirs_move is not None and (theirs_move.parent, theirs_move.name) == (
+                    change.parent,
+                    change.name,
+                ):
                     conflict(change.path, "rename vs delete", change.ino)
-                elif change.ino in accepted.removed:
-                    pass  # removed already
+                elif (change.parent, change.name) in accepted.unlinked:
+                    pass  # that name is gone already
+                elif change.last and (change.ino in accepted.edits or change.ino in accepted.meta):
+                    conflict(change.path, "delete vs modify", change.ino)
                 elif change.kind == Kind.DIR and change.ino in accepted.filled_dirs:
                     conflict(change.path, "directory removed while adding inside", change.ino)
                 else:
                     mapped.append(change)
             case Move():
                 theirs_move = accepted.moved.get(change.ino)
-                if change.ino in accepted.removed:
+                if change.ino in accepted.removed or (
+                    (change.parent, change.name) in accepted.unlinked
+                    and (
+                        theirs_move is None
+                        or (theirs_move.parent, theirs_move.name) != (change.parent, change.name)
+                    )
+                ):
                     conflict(change.path, "rename vs delete", change.ino)
                 elif theirs_move is not None and (theirs_move.to_parent, theirs_move.to_name) != (
                     parent_of(change.to_parent),
@@ -495,6 +510,7 @@ def changes_to_wire(changes: Iterable[Change]) -> list[list[Any]]:
                         change.name,
                         change.path,
                         int(change.kind),
+                        change.last,
                     ]
                 )
     return out
@@ -592,9 +608,11 @@ def changes_from_wire(raw: Any) -> tuple[Change, ...]:
                         _path(to_path),
                     )
                 )
-            case ["remove", ino, parent, name, path, kind]:
+            case ["remove", ino, parent, name, path, kind, bool(last)]:
                 out.append(
-                    Remove(_number(ino), _number(parent), _name(name), _path(path), _kind(kind))
+                    Remove(
+                        _number(ino), _number(parent), _name(name), _path(path), _kind(kind), last
+                    )
                 )
             case _:
                 raise InvalidArgument("a malformed change", change=repr(item)[:80])

@@ -40,11 +40,11 @@ from slates.core.volume import (
     SymlinkBody,
     Volume,
 )
-from slates.errors import InvalidArgument, NotSupported
+from slates.errors import InvalidArgument, NotFound, NotSupported
 from slates.merge.changes import Add, Change, Conflict, Edit, Link, Meta, Move, Remove
 from slates.merge.ranges import Replace
 
-__all__ = ["diff", "apply", "path_index", "Reader", "CycleConflict"]
+__all__ = ["diff", "apply", "changed_since", "path_index", "Reader", "CycleConflict"]
 
 Reader = Callable[[int, int, int], bytes]  # (ino, offset, size) -> bytes of the work volume
 _NO_ENTRIES: immutables.Map[str, Entry] = immutables.Map()
@@ -57,6 +57,14 @@ class CycleConflict(Exception):
     def __init__(self, conflict: Conflict) -> None:
         super().__init__(conflict.path)
         self.conflict = conflict
+
+
+def changed_since(earlier: Root, later: Root) -> bool:
+    """Whether `later` (the same volume, afterwards) differs in any linked inode."""
+    for ino, inode in later.inodes.items():
+        if earlier.inodes.get(ino) is not inode and inode.nlink > 0:
+            return True
+    return any(ino not in later.inodes for ino in earlier.inodes)
 
 
 def path_index(root: Root) -> dict[int, str]:
@@ -177,7 +185,9 @@ def diff(
             moved_to[ino] = to_path
             names.append(Move(ino, p, n, base_paths.of(p, n), ref(q), m, to_path))
         names += [Link(ino, ref(q), m, work_paths.of(q, m)) for q, m in came[len(gone) :]]
-        names += [Remove(ino, p, n, base_paths.of(p, n), kind) for p, n in gone[len(came) :]]
+        still = work.inodes.get(ino)
+        last = still is None or still.nlink == 0
+        names += [Remove(ino, p, n, base_paths.of(p, n), kind, last) for p, n in gone[len(came) :]]
     adds.sort(key=lambda add: add.path.count("/"))
 
     contents: list[Change] = []
@@ -205,6 +215,21 @@ def diff(
     return (*names, *adds, *contents)
 
 
+def _staging_names(volume: Volume, count: int) -> list[str]:
+    """Names in the root for moves in flight: one per move (two links of one file
+    may both move), none of them taken by a file of the volume."""
+    names: list[str] = []
+    number = 0
+    while len(names) < count:
+        name = f"{_TEMP_PREFIX}{number}"
+        number += 1
+        try:
+            volume.lookup(ROOT_INO, name)
+        except NotFound:
+            names.append(name)
+    return names
+
+
 def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Change, ...]:
     """Perform `changes` on `volume`; returns them in the volume's own inode numbers.
 
@@ -224,10 +249,9 @@ def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Chan
     for removal in removes:
         if removal.kind != Kind.DIR:
             volume.unlink(removal.parent, removal.name, time_ns=time_ns)
-    for move in moves:  # out of the way first: moves may swap names
-        volume.rename(
-            move.parent, move.name, ROOT_INO, f"{_TEMP_PREFIX}{move.ino}", time_ns=time_ns
-        )
+    staged = _staging_names(volume, len(moves))
+    for move, temp in zip(moves, staged, strict=True):  # out of the way: moves may swap names
+        volume.rename(move.parent, move.name, ROOT_INO, temp, time_ns=time_ns)
     for removal in sorted(
         (c for c in removes if c.kind == Kind.DIR), key=lambda c: -c.path.count("/")
     ):
@@ -237,11 +261,11 @@ def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Chan
         if add.kind == Kind.DIR:
             attr = volume.mkdir(real(add.parent), add.name, add.mode, time_ns=time_ns)
             created[add.key] = attr.ino
-    for move in moves:
+    for move, temp in zip(moves, staged, strict=True):
         try:
             volume.rename(
                 ROOT_INO,
-                f"{_TEMP_PREFIX}{move.ino}",
+                temp,
                 real(move.to_parent),
                 move.to_name,
                 time_ns=time_ns,

@@ -20,6 +20,7 @@ Events are plain lists:
     ["reset", vid, snapshot_id]       the volume restarts as a clone of the snapshot
     ["version", green, snapshot_id, base, work, changes, own edits]   a submission accepted
     ["based", vid, version]           a work volume was rebased onto the version
+    ["held", vid, version, snapshot]  accepted while mounted: it keeps its base
 Everything an event needs from outside (base facts, times) is inside it,
 so replay needs no base directory except to serve later reads.
 
@@ -172,6 +173,9 @@ class ShardService:
         self.garbage_bytes = 0
         self.greens: dict[str, list[Version]] = {}  # green volume id -> its ledger
         self.works: dict[str, tuple[str, int]] = {}  # work volume id -> (green, base version)
+        # Work volumes accepted while mounted (they keep their base): the version
+        # they made and a snapshot of what they held then.
+        self.held: dict[str, tuple[int, str]] = {}
         self._path_indexes: dict[str, dict[int, str]] = {}  # snapshot id -> path index
         self.desk = LandingDesk(approver_key)
         # Directories no base and no landing may reach: the runtime directory,
@@ -625,6 +629,7 @@ class ShardService:
             self.snapshots[snapshot_id], self.host, Capacity(old.bounded, old.limit)
         )
         self._events.append(["reset", vid, snapshot_id])
+        fresh.adopt_handles(old)  # before the records, as replay does
         self._watch(vid, fresh)
         try:
             applied = merge_tree.apply(fresh, changes, now)
@@ -632,13 +637,35 @@ class ShardService:
             del self._events[mark:]
             fresh.close()
             raise
-        fresh.adopt_handles(old)
         self._retire(old)
         self.volumes[vid] = fresh
         return fresh, applied
 
+    def _unchanged_since_held(self, vid: str, volume: Volume) -> int | None:
+        """For a work volume accepted while mounted: its version, if nothing changed since.
+
+        Its later changes cannot be told from the ones already accepted (it kept
+        its base), so they are refused, never merged twice or dropped.
+        """
+        found = self.held.get(vid)
+        if found is None:
+            return None
+        version, snapshot_id = found
+        if merge_tree.changed_since(self.snapshots[snapshot_id].root, volume.root):
+            raise InvalidArgument(
+                "this work volume was accepted while mounted and has changed since; "
+                "its new changes cannot be separated from the accepted ones: make them "
+                "in a new work volume from that version or later",
+                volume=vid,
+                version=version,
+            )
+        return version
+
     def _submit(self, args: dict[str, Any], now: int) -> dict[str, Any]:
         vid, volume, green, base = self._work(args)
+        if self._unchanged_since_held(vid, volume) is not None:
+            ledger = self.greens[green]
+            return {"ok": True, "version": len(ledger) - 1, "conflicts": [], "rebased": False}
         volume.seal()
         changes, conflicts = self._mapped_changes(volume, green, base)
         ledger = self.greens[green]
@@ -669,15 +696,26 @@ class ShardService:
         # the kernel holds its inode numbers, which a restart would reassign.
         rebased = not volume.held_inodes()
         if rebased:
-            self._restart_as(vid, snapshot.snapshot_id, (), now)
-            self._emit(["based", vid, len(ledger) - 1])
+            try:
+                self._restart_as(vid, snapshot.snapshot_id, (), now)
+            except SlatesError:
+                rebased = False  # no room for the move (a bounded volume): it keeps its base
+            else:
+                self._emit(["based", vid, len(ledger) - 1])
+        if not rebased:
+            held = volume.snapshot(self._new_id("snap"))
+            self._emit(["held", vid, len(ledger) - 1, held.snapshot_id])
         return {"ok": True, "version": len(ledger) - 1, "conflicts": [], "rebased": rebased}
 
     def _rebase(self, args: dict[str, Any], now: int) -> dict[str, Any]:
         vid, volume, green, base = self._work(args)
         if volume.held_inodes():
             raise InvalidArgument("unmount the work volume before rebasing it", volume=vid)
-        changes, conflicts = self._mapped_changes(volume, green, base)
+        if self._unchanged_since_held(vid, volume) is not None:
+            changes: tuple[merge_changes.Change, ...] = ()  # all of it is in the head already
+            conflicts: list[dict[str, Any]] = []
+        else:
+            changes, conflicts = self._mapped_changes(volume, green, base)
         if conflicts:
             return {"ok": False, "version": base, "conflicts": conflicts}
         ledger = self.greens[green]
@@ -964,6 +1002,9 @@ class ShardService:
                 self.works[vid] = (green, version)
             case ["based", str(vid), int(version)] if vid in self.works:
                 self.works[vid] = (self.works[vid][0], version)
+                self.held.pop(vid, None)
+            case ["held", str(vid), int(version), str(snapshot_id)]:
+                self.held[vid] = (version, snapshot_id)
             case [
                 "version",
                 str(green),
@@ -981,9 +1022,13 @@ class ShardService:
                 if vid in self.failed:
                     return
                 old = self.volumes[vid]
-                fresh = Volume.clone(
-                    self.snapshots[snapshot_id], self.host, Capacity(old.bounded, old.limit)
-                )
+                try:
+                    fresh = Volume.clone(
+                        self.snapshots[snapshot_id], self.host, Capacity(old.bounded, old.limit)
+                    )
+                except SlatesError as exc:  # it fitted when it ran; the volume fails alone
+                    self.failed[vid] = exc
+                    return
                 fresh.adopt_handles(old)
                 self._retire(old)
                 self.volumes[vid] = fresh
@@ -991,6 +1036,7 @@ class ShardService:
             case ["drop", str(vid)]:
                 self.greens.pop(vid, None)
                 self.works.pop(vid, None)
+                self.held.pop(vid, None)
                 dropped = self.volumes.pop(vid, None)
                 self.names.pop(vid, None)
                 self.base_keys.pop(vid, None)
@@ -1104,9 +1150,12 @@ class ShardService:
             },
             "works": {vid: list(found) for vid, found in self.works.items()},
             "green_sources": self.green_sources,
+            "held": {vid: list(found) for vid, found in self.held.items()},
             "landing": self.desk.to_wire(),
         }
-        out: bytes = msgpack.packb({"state": state, "meta": meta}, use_bin_type=True)
+        out: bytes = msgpack.packb(
+            {"state": state, "meta": meta}, use_bin_type=True, unicode_errors="surrogateescape"
+        )
         return out
 
     @staticmethod
@@ -1118,7 +1167,9 @@ class ShardService:
 
     def restore(self, blob: bytes) -> None:
         try:
-            data = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+            data = msgpack.unpackb(
+                blob, raw=False, strict_map_key=False, unicode_errors="surrogateescape"
+            )
             meta = data["meta"]
             loaded = checkpoint.load_state(data["state"], self.host, self.open_base)
             self.names = dict(meta["names"])
@@ -1145,6 +1196,7 @@ class ShardService:
             }
             works = {vid: (str(g), int(v)) for vid, (g, v) in meta["works"].items()}
             self.green_sources = dict(meta["green_sources"])
+            self.held = {vid: (int(v), str(s)) for vid, (v, s) in meta["held"].items()}
             self.desk.restore(meta["landing"])
         except (KeyError, TypeError, ValueError) as exc:
             raise VerificationFailed("the checkpoint is malformed", reason=str(exc)) from None
