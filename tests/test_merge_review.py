@@ -103,3 +103,17 @@ def test_names_that_are_not_utf8_survive_the_ledger(through: str) -> None:
         assert_same_state(service.svc, service.restored())
     else:
         assert_same_state(service.svc, service.replayed())
+
+
+def test_editing_a_file_whose_names_were_removed_one_by_one_is_a_conflict() -> None:
+    """Each version removed one name (the other link remained): only the head shows it gone."""
+    service, green = hardlinked()
+    one, two, editor = service.work(green), service.work(green), service.work(green)
+    service.call("unlink", volume=one, path="/f")
+    service.call("unlink", volume=two, path="/g")
+    service.edit(editor, "/f", 0, 4, b"DATA")
+    assert service.submit(one)["ok"] and service.submit(two)["ok"]
+    result = service.submit(editor)
+    assert not result["ok"]
+    assert [c["kind"] for c in result["conflicts"]] == ["modify vs delete"]
+    assert service.tree(green) == {}

@@ -22,6 +22,7 @@ slates.node.service.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable
 
@@ -44,15 +45,16 @@ from slates.errors import InvalidArgument, NotFound, NotSupported
 from slates.merge.changes import Add, Change, Conflict, Edit, Link, Meta, Move, Remove
 from slates.merge.ranges import Replace
 
-__all__ = ["diff", "apply", "changed_since", "path_index", "Reader", "CycleConflict"]
+__all__ = ["diff", "apply", "changed_since", "path_index", "Reader", "ApplyConflict"]
 
 Reader = Callable[[int, int, int], bytes]  # (ino, offset, size) -> bytes of the work volume
 _NO_ENTRIES: immutables.Map[str, Entry] = immutables.Map()
 _TEMP_PREFIX = ".slates-merge-"
 
 
-class CycleConflict(Exception):
-    """Applying would move a directory inside itself: a conflict found only on the head."""
+class ApplyConflict(Exception):
+    """A conflict found only on the head: a move making a cycle, or an object that
+    separate versions removed name by name (each left the other link) changed."""
 
     def __init__(self, conflict: Conflict) -> None:
         super().__init__(conflict.path)
@@ -233,9 +235,8 @@ def _staging_names(volume: Volume, count: int) -> list[str]:
 def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Change, ...]:
     """Perform `changes` on `volume`; returns them in the volume's own inode numbers.
 
-    Raises (and the caller discards the volume) if any step fails: the
-    changes were checked against this volume's version, so a failure is a
-    refused quota or a bug, never a conflict.
+    Raises (and the caller discards the volume) if any step fails: a refused
+    quota, or ApplyConflict for what only the head can show.
     """
     changes = list(changes)
     created: dict[int, int] = {}
@@ -243,15 +244,26 @@ def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Chan
     def real(ref: int) -> int:
         return created[ref] if ref < 0 else ref
 
+    def require(ino: int, path: str, kind: str) -> None:
+        inode = volume.root.inodes.get(ino)
+        if inode is None or inode.nlink == 0:
+            raise ApplyConflict(Conflict(path=path, kind=kind, ino=ino))
+
     removes = [c for c in changes if isinstance(c, Remove)]
     moves = [c for c in changes if isinstance(c, Move)]
     adds = [c for c in changes if isinstance(c, Add)]
     for removal in removes:
         if removal.kind != Kind.DIR:
-            volume.unlink(removal.parent, removal.name, time_ns=time_ns)
+            with contextlib.suppress(NotFound):  # that name is gone already
+                volume.unlink(removal.parent, removal.name, time_ns=time_ns)
     staged = _staging_names(volume, len(moves))
     for move, temp in zip(moves, staged, strict=True):  # out of the way: moves may swap names
-        volume.rename(move.parent, move.name, ROOT_INO, temp, time_ns=time_ns)
+        try:
+            volume.rename(move.parent, move.name, ROOT_INO, temp, time_ns=time_ns)
+        except NotFound:
+            raise ApplyConflict(
+                Conflict(path=move.path, kind="rename vs delete", ino=move.ino)
+            ) from None
     for removal in sorted(
         (c for c in removes if c.kind == Kind.DIR), key=lambda c: -c.path.count("/")
     ):
@@ -275,7 +287,7 @@ def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Chan
                 raise
             # Another version moved the destination inside this directory: the two
             # moves together would make a cycle.
-            raise CycleConflict(
+            raise ApplyConflict(
                 Conflict(path=move.path, kind="rename vs rename", ino=move.ino)
             ) from exc
         applied.append(dataclasses.replace(move, to_parent=real(move.to_parent)))
@@ -302,15 +314,19 @@ def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Chan
     for change in changes:
         match change:
             case Link():
+                if change.ino > 0:
+                    require(change.ino, change.path, "modify vs delete")
                 volume.link(real(change.ino), real(change.parent), change.name, time_ns=time_ns)
                 applied.append(
                     dataclasses.replace(change, ino=real(change.ino), parent=real(change.parent))
                 )
             case Edit():
+                require(change.ino, change.path, "modify vs delete")
                 for edit in reversed(change.edits):  # later offsets first: earlier ones stay put
                     volume.splice(change.ino, edit.start, edit.end, edit.data, time_ns=time_ns)
                 applied.append(change)
             case Meta():
+                require(change.ino, change.path, "modify vs delete")
                 if change.mode is not None:
                     volume.setattr(change.ino, mode=change.mode, time_ns=time_ns)
                 for xattr, setting in change.xattrs:

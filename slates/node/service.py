@@ -676,7 +676,7 @@ class ShardService:
         head = ledger[-1]
         try:
             fresh, applied = self._restart_as(green, head.snapshot_id, changes, now)
-        except merge_tree.CycleConflict as cycle:
+        except merge_tree.ApplyConflict as cycle:
             wire = self._conflict_wire(cycle.conflict, ledger[base].snapshot_id, head)
             return {"ok": False, "version": None, "conflicts": [wire]}
         snapshot = fresh.snapshot(self._new_id("snap"))
@@ -721,7 +721,7 @@ class ShardService:
         ledger = self.greens[green]
         try:
             self._restart_as(vid, ledger[-1].snapshot_id, changes, now)
-        except merge_tree.CycleConflict as cycle:
+        except merge_tree.ApplyConflict as cycle:
             wire = self._conflict_wire(cycle.conflict, ledger[base].snapshot_id, ledger[-1])
             return {"ok": False, "version": base, "conflicts": [wire]}
         self._emit(["based", vid, len(ledger) - 1])
