@@ -117,3 +117,17 @@ def test_editing_a_file_whose_names_were_removed_one_by_one_is_a_conflict() -> N
     assert not result["ok"]
     assert [c["kind"] for c in result["conflicts"]] == ["modify vs delete"]
     assert service.tree(green) == {}
+
+
+def test_owner_changes_are_submitted_and_competing_ones_conflict() -> None:
+    service = Service()
+    green = service.green({"/f": b"data", "/g": b"more"})
+    one, two = service.work(green), service.work(green)
+    for work, uid in ((one, 1000), (two, 2000)):
+        ino = service.call("stat", volume=work, path="/f")["ino"]
+        service.call("fs.setattr", volume=work, ino=ino, uid=uid, gid=uid)
+    assert service.submit(one)["ok"]
+    assert service.call("stat", volume=green, path="/f")["uid"] == 1000
+    result = service.submit(two)
+    assert [c["kind"] for c in result["conflicts"]] == ["attributes"]
+    assert_same_state(service.svc, service.replayed())

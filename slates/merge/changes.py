@@ -74,12 +74,14 @@ class Edit:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Meta:
-    """Attribute changes of an existing object: a new mode, xattrs set (bytes) or removed (None)."""
+    """Attribute changes of an existing object: a new mode, xattrs set (bytes) or
+    removed (None), a new owner (uid, gid).  None: unchanged."""
 
     ino: int
     path: str
     mode: int | None
     xattrs: tuple[tuple[str, bytes | None], ...]
+    owner: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -284,13 +286,17 @@ def map_through(
                     change.mode != theirs_meta.mode
                 )
                 clash_x = any(k in theirs_x and theirs_x[k] != v for k, v in mine_x.items())
-                if clash_mode or clash_x:
+                clash_owner = None not in (change.owner, theirs_meta.owner) and (
+                    change.owner != theirs_meta.owner
+                )
+                if clash_mode or clash_x or clash_owner:
                     conflict(change.path, "attributes", change.ino)
                     continue
                 mode = None if change.mode == theirs_meta.mode else change.mode
+                owner = None if change.owner == theirs_meta.owner else change.owner
                 rest = tuple((k, v) for k, v in change.xattrs if k not in theirs_x)
-                if mode is not None or rest:
-                    mapped.append(dataclasses.replace(change, mode=mode, xattrs=rest))
+                if mode is not None or owner is not None or rest:
+                    mapped.append(dataclasses.replace(change, mode=mode, xattrs=rest, owner=owner))
             case Remove():
                 theirs_move = accepted.moved.get(change.ino)
                 if theirs_move is not None and (theirs_move.parent, theirs_move.name) == (
@@ -470,7 +476,14 @@ def changes_to_wire(changes: Iterable[Change]) -> list[list[Any]]:
                 out.append(["edit", change.ino, change.path, edits])
             case Meta():
                 out.append(
-                    ["meta", change.ino, change.path, change.mode, [list(x) for x in change.xattrs]]
+                    [
+                        "meta",
+                        change.ino,
+                        change.path,
+                        change.mode,
+                        [list(x) for x in change.xattrs],
+                        None if change.owner is None else list(change.owner),
+                    ]
                 )
             case Add():
                 out.append(
@@ -572,13 +585,16 @@ def changes_from_wire(raw: Any) -> tuple[Change, ...]:
                     replaces.append(Replace(_number(e[0]), _number(e[1]), e[2]))
                 check_edits(replaces)
                 out.append(Edit(_number(ino), _path(path), tuple(replaces)))
-            case ["meta", ino, path, mode, xattrs]:
+            case ["meta", ino, path, mode, xattrs, owner]:
+                if owner is not None and not (isinstance(owner, list) and len(owner) == 2):
+                    raise InvalidArgument("a malformed owner in a change")
                 out.append(
                     Meta(
                         _number(ino),
                         _path(path),
                         None if mode is None else _number(mode),
                         _xattrs(xattrs, removable=True),
+                        None if owner is None else (_number(owner[0]), _number(owner[1])),
                     )
                 )
             case ["add", key, parent, name, path, kind, mode, bytes(data), xattrs]:

@@ -210,9 +210,17 @@ def diff(
                     contents.append(Edit(ino, path, edits))
         mode = new_inode.mode & 0o7777
         xattrs = _xattr_changes(old_inode, new_inode)
-        if mode != old_inode.mode & 0o7777 or xattrs:
+        owner = (new_inode.uid, new_inode.gid)
+        owner_changed = owner != (old_inode.uid, old_inode.gid)
+        if mode != old_inode.mode & 0o7777 or xattrs or owner_changed:
             contents.append(
-                Meta(ino, path, None if mode == old_inode.mode & 0o7777 else mode, xattrs)
+                Meta(
+                    ino,
+                    path,
+                    None if mode == old_inode.mode & 0o7777 else mode,
+                    xattrs,
+                    owner if owner_changed else None,
+                )
             )
     return (*names, *adds, *contents)
 
@@ -329,6 +337,9 @@ def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Chan
                 require(change.ino, change.path, "modify vs delete")
                 if change.mode is not None:
                     volume.setattr(change.ino, mode=change.mode, time_ns=time_ns)
+                if change.owner is not None:
+                    uid, gid = change.owner
+                    volume.setattr(change.ino, uid=uid, gid=gid, time_ns=time_ns)
                 for xattr, setting in change.xattrs:
                     if setting is None:
                         volume.removexattr(change.ino, xattr, time_ns=time_ns)
