@@ -39,6 +39,7 @@ from slates.errors import (
     NotFound,
     NotSupported,
     SlatesError,
+    VerificationFailed,
 )
 from slates.land.disk import Target, state_of_bytes
 from slates.land.manifest import (
@@ -88,7 +89,7 @@ class LandingDesk:
 
     # -- events -------------------------------------------------------------------
 
-    def apply_event(self, event: list[Any]) -> bool:
+    def apply_event(self, event: list[Any]) -> None:
         match event:
             case ["plan", list(raw)]:
                 manifest = manifest_from_wire(raw)
@@ -101,11 +102,11 @@ class LandingDesk:
                         del self.grants[token]
             case ["grant", str(token), str(manifest_id)]:
                 self.grants[token] = [manifest_id, False]
-            case ["grant_used", str(token)] if token in self.grants:
-                self.grants[token][1] = True
+            case ["grant_used", str(token)]:
+                if token in self.grants:  # a plan evicted since takes its grants along
+                    self.grants[token][1] = True
             case _:
-                return False
-        return True
+                raise VerificationFailed("unknown landing event", event=repr(event)[:80])
 
     def to_wire(self) -> dict[str, Any]:
         return {

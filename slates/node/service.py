@@ -101,6 +101,20 @@ class Version:
     originals: tuple[merge_changes.Change, ...] = ()
 
 
+def _in_base(
+    conflict: merge_changes.Conflict, originals: tuple[merge_changes.Change, ...]
+) -> merge_changes.Conflict:
+    """A range conflict found after mapping, with the range of the author's own edit."""
+    if conflict.base is None:
+        return conflict
+    for change in originals:
+        if isinstance(change, merge_changes.Edit) and change.ino == conflict.ino:
+            for edit in change.edits:
+                if edit.data == conflict.proposed:
+                    return dataclasses.replace(conflict, base=(edit.start, edit.end))
+    return conflict
+
+
 def _attr_dict(attr: Attr) -> dict[str, Any]:
     return {
         "ino": attr.ino,
@@ -182,7 +196,6 @@ class ShardService:
         # which holds the approver credential.
         self.protected = tuple(os.path.realpath(p) for p in protected)
         self.green_sources: dict[str, str | None] = {}  # the directory a green captured
-        self._originals: tuple[merge_changes.Change, ...] = ()
         self._events: list[Event] = []
         # The records applied by the current request, for the driver's cache
         # invalidations (so it need not decode the journal events again).
@@ -550,11 +563,11 @@ class ShardService:
 
     def _mapped_changes(
         self, volume: Volume, green: str, base: int
-    ) -> tuple[tuple[merge_changes.Change, ...], list[dict[str, Any]]]:
-        """The work's changes since `base`, mapped to the green head, or the conflicts.
-
-        The unmapped byte-range edits are kept in self._originals for the ledger.
-        """
+    ) -> tuple[
+        tuple[merge_changes.Change, ...], list[dict[str, Any]], tuple[merge_changes.Change, ...]
+    ]:
+        """The work's changes since `base`, mapped to the green head, or the conflicts;
+        and its byte-range edits as recorded (unmapped), which the ledger keeps."""
         ledger = self.greens[green]
         snapshot_id = ledger[base].snapshot_id
         base_root = self.snapshots[snapshot_id].root
@@ -565,7 +578,7 @@ class ShardService:
             volume.read,
             lambda ino: paths.get(ino, f"#{ino}"),
         )
-        self._originals = tuple(c for c in changes if isinstance(c, merge_changes.Edit))
+        originals = tuple(c for c in changes if isinstance(c, merge_changes.Edit))
         later = ledger[base + 1 :]
         found: list[dict[str, Any]] = []
         same_base = all(version.base == base for version in later)
@@ -575,7 +588,7 @@ class ShardService:
                 changes, version.increment, map_edits=not same_base
             )
             found += [
-                self._conflict_wire(self._in_base(c), snapshot_id, version) for c in conflicts
+                self._conflict_wire(_in_base(c, originals), snapshot_id, version) for c in conflicts
             ]
         if same_base:
             # Every accepted submission since started from this base too: bytes
@@ -584,18 +597,7 @@ class ShardService:
                 changes, [version.originals for version in later]
             )
             found += [self._conflict_wire(c, snapshot_id, ledger[-1]) for c in conflicts]
-        return ((), found) if found else (changes, [])
-
-    def _in_base(self, conflict: merge_changes.Conflict) -> merge_changes.Conflict:
-        """A range conflict found after mapping, with the range of the author's own edit."""
-        if conflict.base is None:
-            return conflict
-        for change in self._originals:
-            if isinstance(change, merge_changes.Edit) and change.ino == conflict.ino:
-                for edit in change.edits:
-                    if edit.data == conflict.proposed:
-                        return dataclasses.replace(conflict, base=(edit.start, edit.end))
-        return conflict
+        return ((), found, originals) if found else (changes, [], originals)
 
     def _conflict_wire(
         self, conflict: merge_changes.Conflict, base_snapshot: str, version: Version
@@ -641,15 +643,15 @@ class ShardService:
         self.volumes[vid] = fresh
         return fresh, applied
 
-    def _unchanged_since_held(self, vid: str, volume: Volume) -> int | None:
-        """For a work volume accepted while mounted: its version, if nothing changed since.
+    def _unchanged_since_held(self, vid: str, volume: Volume) -> bool:
+        """For a work volume accepted while mounted: True if nothing changed since.
 
         Its later changes cannot be told from the ones already accepted (it kept
         its base), so they are refused, never merged twice or dropped.
         """
         found = self.held.get(vid)
         if found is None:
-            return None
+            return False
         version, snapshot_id = found
         if merge_tree.changed_since(self.snapshots[snapshot_id].root, volume.root):
             raise InvalidArgument(
@@ -659,15 +661,15 @@ class ShardService:
                 volume=vid,
                 version=version,
             )
-        return version
+        return True
 
     def _submit(self, args: dict[str, Any], now: int) -> dict[str, Any]:
         vid, volume, green, base = self._work(args)
-        if self._unchanged_since_held(vid, volume) is not None:
+        if self._unchanged_since_held(vid, volume):
             ledger = self.greens[green]
             return {"ok": True, "version": len(ledger) - 1, "conflicts": [], "rebased": False}
         volume.seal()
-        changes, conflicts = self._mapped_changes(volume, green, base)
+        changes, conflicts, originals = self._mapped_changes(volume, green, base)
         ledger = self.greens[green]
         if conflicts:
             return {"ok": False, "version": None, "conflicts": conflicts}
@@ -676,8 +678,8 @@ class ShardService:
         head = ledger[-1]
         try:
             fresh, applied = self._restart_as(green, head.snapshot_id, changes, now)
-        except merge_tree.ApplyConflict as cycle:
-            wire = self._conflict_wire(cycle.conflict, ledger[base].snapshot_id, head)
+        except merge_tree.ApplyConflict as on_head:
+            wire = self._conflict_wire(on_head.conflict, ledger[base].snapshot_id, head)
             return {"ok": False, "version": None, "conflicts": [wire]}
         snapshot = fresh.snapshot(self._new_id("snap"))
         self._emit(
@@ -688,7 +690,7 @@ class ShardService:
                 base,
                 vid,
                 merge_changes.changes_to_wire(applied),
-                merge_changes.changes_to_wire(self._originals),
+                merge_changes.changes_to_wire(originals),
             ]
         )
         # The work volume moves onto the version it made, so its next submission
@@ -711,18 +713,18 @@ class ShardService:
         vid, volume, green, base = self._work(args)
         if volume.held_inodes():
             raise InvalidArgument("unmount the work volume before rebasing it", volume=vid)
-        if self._unchanged_since_held(vid, volume) is not None:
+        if self._unchanged_since_held(vid, volume):
             changes: tuple[merge_changes.Change, ...] = ()  # all of it is in the head already
             conflicts: list[dict[str, Any]] = []
         else:
-            changes, conflicts = self._mapped_changes(volume, green, base)
+            changes, conflicts, _originals = self._mapped_changes(volume, green, base)
         if conflicts:
             return {"ok": False, "version": base, "conflicts": conflicts}
         ledger = self.greens[green]
         try:
             self._restart_as(vid, ledger[-1].snapshot_id, changes, now)
-        except merge_tree.ApplyConflict as cycle:
-            wire = self._conflict_wire(cycle.conflict, ledger[base].snapshot_id, ledger[-1])
+        except merge_tree.ApplyConflict as on_head:
+            wire = self._conflict_wire(on_head.conflict, ledger[base].snapshot_id, ledger[-1])
             return {"ok": False, "version": base, "conflicts": [wire]}
         self._emit(["based", vid, len(ledger) - 1])
         return {"ok": True, "version": len(ledger) - 1, "conflicts": []}
