@@ -40,6 +40,18 @@ __all__ = ["checkpointing_service", "service"]  # fixtures, re-exported for pyte
 NONCE = "0123456789abcdef0123456789abcdef"
 
 
+BUILD_TREE = {"build/out.o": b"o", "build/cache/x": b"x", "build/cache/y": b"y", "keep.txt": b"k1"}
+
+
+def remove_build_tree(client: Client, work: str) -> None:
+    """`rm -r build` in a work volume, entry by entry."""
+    for path in ("/build/cache/x", "/build/cache/y"):
+        client.unlink(work, path)
+    client.rmdir(work, "/build/cache")
+    client.unlink(work, "/build/out.o")
+    client.rmdir(work, "/build")
+
+
 def digest(data: bytes) -> str:
     return blake3.blake3(data).hexdigest()
 
@@ -472,15 +484,11 @@ def test_entries_below_a_directory_the_developer_removed_are_identical(
     meanwhile.  Those entries are already as proposed: identical, and the rest lands."""
     project = make_tree(
         tmp_path / "project",
-        {"build/out.o": b"o", "build/cache/x": b"x", "build/cache/y": b"y", "keep.txt": b"k1"},
+        BUILD_TREE,
     )
     with Client(service.runtime) as client:
         green, work = green_and_work(client, project, "rmrf")
-        for path in ("/build/cache/x", "/build/cache/y"):
-            client.unlink(work, path)
-        client.rmdir(work, "/build/cache")
-        client.unlink(work, "/build/out.o")
-        client.rmdir(work, "/build")
+        remove_build_tree(client, work)
         client.write(work, "/keep.txt", b"k2", truncate=True)
         assert client.submit(work)["ok"]
         plan = client.land_plan(green, project)
@@ -827,15 +835,11 @@ def test_a_crash_while_removing_a_directory_tree_is_finished_by_the_retry(
     running, flag = crashing
     project = make_tree(
         tmp_path / "project",
-        {"build/out.o": b"o", "build/cache/x": b"x", "build/cache/y": b"y", "keep.txt": b"k1"},
+        BUILD_TREE,
     )
     with Client(running.runtime) as client:
         green, work = green_and_work(client, project, "crash-tree")
-        for path in ("/build/cache/x", "/build/cache/y"):
-            client.unlink(work, path)
-        client.rmdir(work, "/build/cache")
-        client.unlink(work, "/build/out.o")
-        client.rmdir(work, "/build")
+        remove_build_tree(client, work)
         assert client.submit(work)["ok"]
         plan = client.land_plan(green, project)
         grant = approve(client, running.runtime, plan["manifest"])

@@ -76,11 +76,14 @@ def test_bad_edits_are_refused() -> None:
 
 
 @st.composite
-def base_and_ops(draw: st.DrawFn) -> tuple[bytes, list[Replace]]:
-    base = draw(st.binary(max_size=40))
+def base_and_ops(
+    draw: st.DrawFn, max_base: int = 40, max_ops: int = 8
+) -> tuple[bytes, list[Replace]]:
+    """A base and operations on it, each in the coordinates of the file at its turn."""
+    base = draw(st.binary(max_size=max_base))
     size = len(base)
     ops = []
-    for _ in range(draw(st.integers(0, 8))):
+    for _ in range(draw(st.integers(0, max_ops))):
         start = draw(st.integers(0, size))
         end = draw(st.integers(start, size))
         data = draw(st.binary(max_size=6))
@@ -126,7 +129,31 @@ def test_merging_two_agents(case: tuple[bytes, list[Replace]], data: st.DataObje
         assert merged == apply(base, union)  # all edits applied to the base
 
 
-def _git_merge(base: bytes, ours: bytes, theirs: bytes) -> bytes | None:
+def draw_line_edits(data: st.DataObject, max_lines: int) -> tuple[bytes, list[Replace]]:
+    """A file of lines and sorted edits of whole lines (delete, insert or replace),
+    with at least two untouched lines between any two: git's merge-file calls
+    changes separated by one line a conflict; Slates does not."""
+    lines = [
+        f"line {i}\n".encode() for i in range(data.draw(st.integers(6, max_lines), label="lines"))
+    ]
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(lines) - 1), max_size=6), label="cuts"))
+    chosen: list[tuple[int, int]] = []
+    for cut in cuts:
+        if chosen and cut <= chosen[-1][1] + 2:
+            continue
+        chosen.append((cut, min(cut + data.draw(st.integers(0, 1)), len(lines) - 1)))
+    edits = []
+    for first, last in chosen:
+        new = data.draw(st.lists(st.sampled_from([b"alpha\n", b"beta\n", b"gamma\n"]), max_size=3))
+        edits.append(Replace(offsets[first], offsets[last + 1], b"".join(new)))
+    return b"".join(lines), edits
+
+
+def git_merge(base: bytes, ours: bytes, theirs: bytes) -> bytes | None:
+    """What `git merge-file` makes of two versions of a base; None if it conflicts."""
     with tempfile.TemporaryDirectory() as directory:
         paths = [Path(directory) / name for name in ("ours", "base", "theirs")]
         for path, content in zip(paths, (ours, base, theirs), strict=True):
@@ -140,31 +167,15 @@ def _git_merge(base: bytes, ours: bytes, theirs: bytes) -> bytes | None:
 @settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_disjoint_line_edits_match_git_merge_file(data: st.DataObject) -> None:
-    lines = [f"line {i}\n".encode() for i in range(data.draw(st.integers(6, 30)))]
-    base = b"".join(lines)
-    offsets = [0]
-    for line in lines:
-        offsets.append(offsets[-1] + len(line))
-    # Edited line ranges with at least two untouched lines between any two (git's
-    # merge-file calls changes separated by one line a conflict; this engine does not).
-    cuts = sorted(data.draw(st.sets(st.integers(0, len(lines) - 1), max_size=6)))
-    chosen: list[tuple[int, int]] = []
-    for cut in cuts:
-        if chosen and cut <= chosen[-1][1] + 2:
-            continue
-        chosen.append((cut, min(cut + data.draw(st.integers(0, 1)), len(lines) - 1)))
-    ours_edits: list[Replace] = []
-    theirs_edits: list[Replace] = []
-    for number, (first, last) in enumerate(chosen):
-        new = data.draw(st.lists(st.sampled_from([b"alpha\n", b"beta\n", b"gamma\n"]), max_size=3))
-        edit = Replace(offsets[first], offsets[last + 1], b"".join(new))
-        (ours_edits if number % 2 else theirs_edits).append(edit)
+    base, edits = draw_line_edits(data, max_lines=30)
+    ours_edits = edits[1::2]
+    theirs_edits = edits[0::2]
     # Applied from the end, base-coordinate edits are also valid sequential operations.
     ours = compose(len(base), reversed(ours_edits))
     theirs = compose(len(base), reversed(theirs_edits))
     mapped, conflicts = rebase(theirs, ours)
     assert conflicts == ()
     merged = apply(apply(base, ours), mapped)
-    expected = _git_merge(base, apply(base, ours), apply(base, theirs))
+    expected = git_merge(base, apply(base, ours), apply(base, theirs))
     assume(expected is not None)  # hypothesis fails the test if git rarely merges cleanly
     assert merged == expected

@@ -12,10 +12,7 @@ conflict kinds of slates.merge.changes, a cross-check of merged heads with
 
 from __future__ import annotations
 
-import subprocess
-import tempfile
-from collections.abc import Callable, Iterable
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -24,10 +21,11 @@ from hypothesis import strategies as st
 
 from slates.base.live import LiveDirectory
 from slates.core.host import Host
-from slates.core.records import Kind
+from slates.core.records import DirItem, Kind
 from slates.core.volume import ROOT_INO, Volume
 from slates.node.protocol import Request
 from slates.node.service import Event, ShardService
+from tests.test_merge_ranges import draw_line_edits, git_merge
 
 CONF = b"quality=80\ncache=off\n"
 QUALITY = (8, 10)  # the 80
@@ -40,39 +38,44 @@ Files = dict[int, tuple[str, bytes]]  # ino -> (path, bytes) of the regular file
 # -- helpers ---------------------------------------------------------------------
 
 
-def volume_tree(volume: Volume) -> Tree:
-    """Everything in a volume, read through the Volume API (no requests, no events)."""
-    out: Tree = {}
+def _walk(volume: Volume) -> Iterator[tuple[str, DirItem]]:
+    """Every visible entry of a volume with its path, through the Volume API."""
     stack = [("", ROOT_INO)]
     while stack:
         prefix, ino = stack.pop()
         for item in volume.readdir(ino):
             path = f"{prefix}/{item.name}"
             if item.kind == Kind.DIR:
-                out[path] = "dir"
                 stack.append((path, item.ino))
-            elif item.kind == Kind.FILE:
-                out[path] = volume.read(item.ino, 0, volume.getattr(item.ino).size)
-            elif item.kind == Kind.SYMLINK:
-                out[path] = "link:" + volume.readlink(item.ino)
-            else:
-                out[path] = item.kind.name
+            yield path, item
+
+
+def _content(volume: Volume, ino: int) -> bytes:
+    return volume.read(ino, 0, volume.getattr(ino).size)
+
+
+def volume_tree(volume: Volume) -> Tree:
+    """Everything in a volume, read through the Volume API (no requests, no events)."""
+    out: Tree = {}
+    for path, item in _walk(volume):
+        if item.kind == Kind.DIR:
+            out[path] = "dir"
+        elif item.kind == Kind.FILE:
+            out[path] = _content(volume, item.ino)
+        elif item.kind == Kind.SYMLINK:
+            out[path] = "link:" + volume.readlink(item.ino)
+        else:
+            out[path] = item.kind.name
     return out
 
 
 def volume_files(volume: Volume) -> Files:
     """The regular files of a volume by inode number."""
-    out: Files = {}
-    stack = [("", ROOT_INO)]
-    while stack:
-        prefix, ino = stack.pop()
-        for item in volume.readdir(ino):
-            path = f"{prefix}/{item.name}"
-            if item.kind == Kind.DIR:
-                stack.append((path, item.ino))
-            elif item.kind == Kind.FILE:
-                out[item.ino] = (path, volume.read(item.ino, 0, volume.getattr(item.ino).size))
-    return out
+    return {
+        item.ino: (path, _content(volume, item.ino))
+        for path, item in _walk(volume)
+        if item.kind == Kind.FILE
+    }
 
 
 class Service:
@@ -964,46 +967,21 @@ def test_green_volumes_refuse_direct_changes() -> None:
 # -- git merge-file, at the service level ----------------------------------------
 
 
-def git_merge(base: bytes, ours: bytes, theirs: bytes) -> bytes | None:
-    with tempfile.TemporaryDirectory() as directory:
-        paths = [Path(directory) / name for name in ("ours", "base", "theirs")]
-        for path, content in zip(paths, (ours, base, theirs), strict=True):
-            path.write_bytes(content)
-        done = subprocess.run(
-            ["git", "merge-file", "-p", *map(str, paths)], capture_output=True, check=False
-        )
-        return done.stdout if done.returncode == 0 else None
-
-
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_disjoint_line_edits_merge_like_git_merge_file(data: st.DataObject) -> None:
-    lines = [f"line {i}\n".encode() for i in range(data.draw(st.integers(6, 24), label="lines"))]
-    base = b"".join(lines)
-    offsets = [0]
-    for line in lines:
-        offsets.append(offsets[-1] + len(line))
-    # Line ranges with at least two untouched lines between them: git's merge-file
-    # calls changes one line apart a conflict; the service does not.
-    cuts = sorted(data.draw(st.sets(st.integers(0, len(lines) - 1), max_size=6), label="cuts"))
-    chosen: list[tuple[int, int]] = []
-    for cut in cuts:
-        if chosen and cut <= chosen[-1][1] + 2:
-            continue
-        chosen.append((cut, min(cut + data.draw(st.integers(0, 1)), len(lines) - 1)))
+    base, edits = draw_line_edits(data, max_lines=24)
     service = Service()
     green = service.green({"/f": base})
     ours, theirs = service.work(green), service.work(green)
     expected_files = {ours: base, theirs: base}
     # Each agent edits its line ranges from the end of the file backwards, so the
     # base offsets stay valid; an edit is a delete, insert or replace of lines.
-    for number, (first, last) in reversed(list(enumerate(chosen))):
-        new = data.draw(st.lists(st.sampled_from([b"alpha\n", b"beta\n", b"gamma\n"]), max_size=3))
+    for number, edit in reversed(list(enumerate(edits))):
         work = ours if number % 2 else theirs
-        start, end = offsets[first], offsets[last + 1]
-        service.edit(work, "/f", start, end, b"".join(new))
+        service.edit(work, "/f", edit.start, edit.end, edit.data)
         old = expected_files[work]
-        expected_files[work] = old[:start] + b"".join(new) + old[end:]
+        expected_files[work] = old[: edit.start] + edit.data + old[edit.end :]
     assert service.read(ours, "/f") == expected_files[ours]
     expected = git_merge(base, expected_files[ours], expected_files[theirs])
     assume(expected is not None)

@@ -15,6 +15,7 @@ from slates.core.origin import NEW, Pieces, edit_spans, identity, replace_span
 from slates.core.volume import ROOT_INO, FileBody, Volume
 from slates.errors import InvalidArgument
 from slates.merge.ranges import Replace, apply, compose
+from tests.test_merge_ranges import base_and_ops
 
 # -- examples --------------------------------------------------------------------
 
@@ -79,20 +80,6 @@ def test_edit_spans_refuses_original_bytes_out_of_order() -> None:
 # -- properties ------------------------------------------------------------------
 
 
-@st.composite
-def base_and_replaces(draw: st.DrawFn) -> tuple[bytes, list[Replace]]:
-    base = draw(st.binary(max_size=30))
-    size = len(base)
-    ops: list[Replace] = []
-    for _ in range(draw(st.integers(0, 10))):
-        start = draw(st.integers(0, size))
-        end = draw(st.integers(start, size))
-        data = draw(st.binary(max_size=6))
-        ops.append(Replace(start, end, data))
-        size += len(data) - (end - start)
-    return base, ops
-
-
 def check_pieces(pieces: Pieces, size: int) -> None:
     """Pieces are (source, length) pairs, lengths positive, sources in order, runs merged."""
     assert len(pieces) % 2 == 0
@@ -108,7 +95,7 @@ def check_pieces(pieces: Pieces, size: int) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(base_and_replaces())
+@given(base_and_ops(max_base=30, max_ops=10))
 def test_edit_spans_give_the_current_file_and_equal_compose(
     case: tuple[bytes, list[Replace]],
 ) -> None:
