@@ -45,3 +45,10 @@ test: lint
 bench: bootstrap
 	@$(MAKE) --no-print-directory system-packages SYSTEM_PACKAGES="fuse-overlayfs"
 	$(BIN)/python bench/run_all.py $(BENCH_ARGS)
+
+# `make sim SEEDS=100000`: the fleet's deterministic simulator over many seeded
+# schedules (CI runs a bounded number inside the suite); prints any failing seed.
+SEEDS ?= 100000
+.PHONY: sim
+sim: bootstrap
+	$(BIN)/python -m slates.fleet.sim --seeds $(SEEDS)

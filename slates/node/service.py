@@ -59,11 +59,14 @@ from slates.errors import (
     VerificationFailed,
     error_from_wire,
 )
-from slates.land.manifest import Manifest, check_relative
 from slates.merge import changes as merge_changes
 from slates.merge import tree as merge_tree
+from slates.node.args import int_arg as _int_arg
+from slates.node.args import path_arg as _path_arg
+from slates.node.args import str_arg as _str_arg
 from slates.node.fsops import run_fs_op
 from slates.node.landing import LandingDesk
+from slates.node.landing_ops import LandingOps
 from slates.node.protocol import Request, error_reply, ok_reply, shard_of
 
 __all__ = ["ShardService", "MAX_UNACKED", "READ_ONLY_OPS", "shard_of"]
@@ -130,27 +133,6 @@ def _attr_dict(attr: Attr) -> dict[str, Any]:
     }
 
 
-def _int_arg(args: dict[str, Any], key: str, default: int | None = None) -> int:
-    value = args.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgument(f"{key} must be a non-negative integer", value=str(value))
-    return value
-
-
-def _str_arg(args: dict[str, Any], key: str) -> str:
-    value = args.get(key)
-    if not isinstance(value, str) or not value:
-        raise InvalidArgument(f"{key} is required", field=key)
-    return value
-
-
-def _path_arg(args: dict[str, Any], key: str = "path") -> str:
-    path = _str_arg(args, key)
-    if not path.startswith("/"):
-        raise InvalidArgument("paths are absolute", path=path)
-    return posixpath.normpath(path).replace("//", "/")
-
-
 def _capacity(args: dict[str, Any]) -> Capacity:
     bounded, dynamic = args.get("bounded"), args.get("dynamic")
     if bounded is not None and dynamic is not None:
@@ -192,6 +174,7 @@ class ShardService:
         self.held: dict[str, tuple[int, str]] = {}
         self._path_indexes: dict[str, dict[int, str]] = {}  # snapshot id -> path index
         self.desk = LandingDesk(approver_key)
+        self.landing = LandingOps(self)
         # Directories no base and no landing may reach: the runtime directory,
         # which holds the approver credential.
         self.protected = tuple(os.path.realpath(p) for p in protected)
@@ -320,7 +303,7 @@ class ShardService:
             case "versions":
                 return self._versions(args)
             case op if op.startswith("land."):
-                return self._land(op, args)
+                return self.landing.run(op, args)
             case "changed_since":
                 green, ledger = self._green(args)
                 since = _int_arg(args, "version")
@@ -748,85 +731,6 @@ class ShardService:
             ],
         }
 
-    # -- landing --------------------------------------------------------------
-
-    def _manifest_ref(self, manifest_id: str) -> str:
-        return f"man-{self.index}-{manifest_id}"
-
-    def _manifest_arg(self, args: dict[str, Any]) -> Manifest:
-        ref = _str_arg(args, "manifest")
-        parts = ref.split("-")
-        if len(parts) != 3 or parts[0] != "man" or parts[1] != str(self.index):
-            raise InvalidArgument("malformed manifest id for this shard", manifest=ref)
-        return self.desk.manifest(parts[2])
-
-    def _manifest_view(self, manifest: Manifest) -> dict[str, Any]:
-        return {
-            "manifest": self._manifest_ref(manifest.manifest_id),
-            "id": manifest.manifest_id,
-            "source": manifest.source,
-            "target": manifest.target,
-            "entries": [
-                {
-                    "path": e.path,
-                    "witnessed": None if e.witnessed is None else e.witnessed.to_wire(),
-                    "proposed": None if e.proposed is None else e.proposed.to_wire(),
-                }
-                for e in manifest.entries
-            ],
-        }
-
-    def _reader(self, root: Any) -> Volume:
-        return Volume(self.host, root)
-
-    def _land(self, op: str, args: dict[str, Any]) -> Any:
-        match op:
-            case "land.plan":
-                return self._manifest_view(self._land_plan(args))
-            case "land.show":
-                return self._manifest_view(self._manifest_arg(args))
-            case "land.read_base":
-                manifest = self._manifest_arg(args)
-                return self.desk.read_base(manifest, _str_arg(args, "path"))
-            case "land.content":
-                manifest = self._manifest_arg(args)
-                path = _str_arg(args, "path").strip("/")
-                return {
-                    "proposed": self._proposed_content(manifest, path),
-                    "disk": self.desk.read_base(manifest, path),
-                }
-            case "land.rewitness":
-                manifest = self._manifest_arg(args)
-                paths = args.get("paths")
-                if paths is not None and not (
-                    isinstance(paths, list) and all(isinstance(p, str) for p in paths)
-                ):
-                    raise InvalidArgument("paths must be a list of paths")
-                observed = self.desk.observe(manifest, paths)
-                renewed = self.desk.register(manifest.rewitnessed(observed), self._emit)
-                return self._manifest_view(renewed)
-            case "land.grant":
-                manifest = self._manifest_arg(args)
-                token = self.desk.grant(
-                    manifest.manifest_id,
-                    args.get("credential"),
-                    args.get("nonce"),
-                    self._emit,
-                )
-                return {"grant": token, "manifest": self._manifest_ref(manifest.manifest_id)}
-            case "land.apply":
-                manifest = self._manifest_arg(args)
-                result = self.desk.land(
-                    manifest,
-                    _str_arg(args, "grant"),
-                    lambda path: self._proposed_content(manifest, path),
-                    self._emit,
-                )
-                result["manifest"] = self._manifest_ref(manifest.manifest_id)
-                return result
-            case _:
-                raise InvalidArgument("unknown operation", op=op)
-
     def _check_unprotected(self, path: str, what: str) -> None:
         """Refuse a directory that is, holds or lies inside a protected one."""
         real = os.path.realpath(path)
@@ -837,83 +741,6 @@ class ShardService:
                 or (real.startswith(protected + "/"))
             ):
                 raise AccessDenied(f"the {what} would reach Slates' runtime directory", path=path)
-
-    def _land_plan(self, args: dict[str, Any]) -> Manifest:
-        vid, volume = self._volume(args)
-        target = _str_arg(args, "target")
-        if not target.startswith("/"):
-            raise InvalidArgument("the target is an absolute directory path", target=target)
-        paths = args.get("paths")
-        if paths is not None and not (
-            isinstance(paths, list) and all(isinstance(p, str) for p in paths)
-        ):
-            raise InvalidArgument("paths must be a list of paths")
-        for path in paths or ():
-            if path.strip("/"):
-                check_relative(path.strip("/"))
-        green = vid if vid in self.greens else self.works.get(vid, ("", 0))[0]
-        source_dir = self.green_sources.get(green)
-        if source_dir is not None and os.path.realpath(target) != source_dir:
-            raise InvalidArgument(
-                "a green volume lands only into the directory it was captured from",
-                target=target,
-                directory=source_dir,
-            )
-        self._check_unprotected(target, "target")
-        if vid in self.greens:
-            ledger = self.greens[vid]
-            version = _int_arg(args, "version", len(ledger) - 1)
-            if version >= len(ledger):
-                raise NotFound("no such version", green=vid, version=version)
-            source, witness = ledger[version].snapshot_id, ledger[0].snapshot_id
-        elif vid in self.works and self.works[vid][0] in self.greens:
-            source = volume.snapshot(self._new_id("snap")).snapshot_id
-            witness = self.greens[self.works[vid][0]][0].snapshot_id
-        else:
-            raise InvalidArgument(
-                "a landing plan needs a green or work volume (its version 0 is the witness)",
-                volume=vid,
-            )
-        readers: dict[int, Volume] = {}
-
-        def read(root: Any, ino: int) -> bytes:
-            reader = readers.get(id(root))
-            if reader is None:
-                reader = readers[id(root)] = self._reader(root)
-            return reader.read(ino, 0, reader.getattr(ino).size)
-
-        try:
-            manifest = LandingDesk.plan(
-                self.snapshots[witness].root,
-                self.snapshots[source].root,
-                source,
-                posixpath.normpath(target),
-                read,
-                [str(p) for p in paths] if paths else None,
-            )
-        finally:
-            for reader in readers.values():
-                reader.close()
-        return self.desk.register(manifest, self._emit)
-
-    def _proposed_content(self, manifest: Manifest, path: str) -> bytes | None:
-        snapshot = self.snapshots.get(manifest.source)
-        if snapshot is None:
-            raise MissingContent("the landing's snapshot is gone", snapshot=manifest.source)
-        reader = self._reader(snapshot.root)
-        try:
-            try:
-                ino = reader.resolve("/" + path)
-            except NotFound:
-                return None
-            attr = reader.getattr(ino)
-            if attr.kind == Kind.SYMLINK:
-                return reader.readlink(ino).encode("utf-8", "surrogateescape")
-            if attr.kind == Kind.DIR:
-                return None
-            return reader.read(ino, 0, attr.size)
-        finally:
-            reader.close()
 
     # -- events ---------------------------------------------------------------
 
