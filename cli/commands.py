@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -58,9 +57,11 @@ from rich.table import Table
 from rich.text import Text
 
 from slates.core.host import UNLIMITED
-from slates.errors import InvalidArgument, NotFound, SlatesError
+from slates.errors import InvalidArgument, SlatesError
 from slates.node.anchor import parse_size
 from slates.sdk import Client
+
+from .conflicts import SHOWN_BYTES, render_conflict
 
 __all__ = [
     "CHUNK",
@@ -88,7 +89,6 @@ __all__ = [
     "changed",
     "CONFLICT_EXIT",
     "SHOWN_BYTES",
-    "resolve_volume",
     "parse_quota",
     "format_bytes",
     "format_quota",
@@ -98,10 +98,8 @@ CHUNK = 256 << 10
 """Most bytes one read or write request carries (well under a ring's message limit)."""
 CONFLICT_EXIT = 3
 """The exit code of a submit or rebase refused because of conflicts."""
-SHOWN_BYTES = 64
 """Most bytes of a conflict's content shown to people (JSON has all of them)."""
 
-_VOLUME_ID = re.compile(r"vol-\d+-\d+")
 _UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 Fail = Callable[[SlatesError], NoReturn]
@@ -195,23 +193,6 @@ def parse_quota(bounded: str | None, dynamic: str | None) -> tuple[int | None, i
     if bounded is not None and dynamic is not None:
         raise InvalidArgument("choose --bounded or --dynamic, not both")
     return _size("--bounded", bounded), _size("--dynamic", dynamic)
-
-
-def resolve_volume(client: Client, ref: str) -> str:
-    """A volume id for `ref`, an id (taken as is) or a name matching exactly one volume."""
-    if _VOLUME_ID.fullmatch(ref):
-        return ref
-    volumes: list[dict[str, Any]] = client.list_volumes()
-    ids = [str(v["id"]) for v in volumes if v["name"] == ref]
-    if not ids:
-        raise NotFound(f"no volume has the id or name {ref!r}", volume=ref)
-    if len(ids) > 1:
-        raise InvalidArgument(
-            f"{len(ids)} volumes are named {ref!r} ({', '.join(ids)}); use an id",
-            name=ref,
-            ids=ids,
-        )
-    return ids[0]
 
 
 def _path(path: str) -> str:
@@ -420,7 +401,7 @@ def volume_list(runtime_dir: str | None, as_json: bool) -> None:
 def volume_show(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None:
     """One volume (by id or unique name): quota and counters."""
     with _client(runtime_dir) as client:
-        info: dict[str, Any] = client.show_volume(resolve_volume(client, volume_ref))
+        info: dict[str, Any] = client.show_volume(client.resolve(volume_ref))
     if as_json:
         _echo_json(info)
     else:
@@ -434,7 +415,7 @@ def volume_show(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None
 def volume_delete(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None:
     """Delete a volume (by id or unique name); its snapshots stay."""
     with _client(runtime_dir) as client:
-        vid = resolve_volume(client, volume_ref)
+        vid = client.resolve(volume_ref)
         client.delete_volume(vid)
     if as_json:
         _echo_json({"deleted": vid})
@@ -452,7 +433,7 @@ def volume_delete(volume_ref: str, runtime_dir: str | None, as_json: bool) -> No
 def snapshot(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None:
     """Take a snapshot of VOLUME (by id or unique name); prints the snapshot id."""
     with _client(runtime_dir) as client:
-        vid = resolve_volume(client, volume_ref)
+        vid = client.resolve(volume_ref)
         snapshot_id = str(client.snapshot(vid))
     if as_json:
         _echo_json({"snapshot": snapshot_id, "volume": vid})
@@ -501,7 +482,7 @@ def read(volume_ref: str, path: str, runtime_dir: str | None) -> None:
     """Copy the file PATH of VOLUME to stdout, byte for byte."""
     out = sys.stdout.buffer
     with _client(runtime_dir) as client:
-        vid = resolve_volume(client, volume_ref)
+        vid = client.resolve(volume_ref)
         offset = 0
         while True:
             piece = bytes(client.read(vid, _path(path), offset, CHUNK))
@@ -521,7 +502,7 @@ def write(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) ->
     """Replace the file PATH of VOLUME (created if absent) with stdin."""
     source = sys.stdin.buffer
     with _client(runtime_dir) as client:
-        vid = resolve_volume(client, volume_ref)
+        vid = client.resolve(volume_ref)
         target = _path(path)
         offset = 0
         first = True
@@ -545,7 +526,7 @@ def write(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) ->
 def ls(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) -> None:
     """List the directory PATH (default /) of VOLUME."""
     with _client(runtime_dir) as client:
-        vid = resolve_volume(client, volume_ref)
+        vid = client.resolve(volume_ref)
         entries: list[dict[str, Any]] = client.list(vid, _path(path))
     if as_json:
         _echo_json(entries)
@@ -579,7 +560,7 @@ def mount(
 ) -> None:
     """Serve VOLUME at DIRECTORY (empty, yours); returns once it serves."""
     with _client(runtime_dir) as client:
-        vid = resolve_volume(client, volume_ref)
+        vid = client.resolve(volume_ref)
         result = client.mount(vid, directory, writeback=writeback)
     if as_json:
         _echo_json(result)
@@ -607,37 +588,6 @@ def unmount(directory: str, runtime_dir: str | None, as_json: bool, force: bool)
 # -- green and work volumes --------------------------------------------------
 
 
-def _range(span: list[int] | None) -> str:
-    """A byte range as the product writes it: "[8, 10)"; "-" for none."""
-    return "-" if span is None else f"[{span[0]}, {span[1]})"
-
-
-def _content(data: bytes | None) -> str:
-    """Bytes as Python shows them (b'quality=80\\n'), cut at SHOWN_BYTES; "-" for none."""
-    if data is None:
-        return "-"
-    data = bytes(data)
-    if len(data) <= SHOWN_BYTES:
-        return repr(data)
-    return f"{data[:SHOWN_BYTES]!r}... ({len(data):,} B in all)"
-
-
-def _conflict_facts(number: int, total: int, conflict: dict[str, Any]) -> Table:
-    return _facts(
-        Text(f"Conflict {number} of {total}: {conflict['path']}"),
-        [
-            ("path", str(conflict["path"])),
-            ("kind", str(conflict["kind"])),
-            ("accepted in", f"version {conflict['version']}"),
-            ("base range", _range(conflict["base"])),
-            ("head range", _range(conflict["head"])),
-            ("base", _content(conflict["base_bytes"])),
-            ("accepted", _content(conflict["accepted"])),
-            ("proposed", _content(conflict["proposed"])),
-        ],
-    )
-
-
 def _refused(what: str, vid: str, result: dict[str, Any], as_json: bool, kept: str) -> NoReturn:
     """Print a refused submit or rebase (stdout), say so on stderr, exit CONFLICT_EXIT."""
     conflicts: list[dict[str, Any]] = result["conflicts"]
@@ -646,7 +596,7 @@ def _refused(what: str, vid: str, result: dict[str, Any], as_json: bool, kept: s
     else:
         console = Console()
         for number, conflict in enumerate(conflicts, 1):
-            console.print(_conflict_facts(number, len(conflicts), conflict))
+            console.print(render_conflict(number, len(conflicts), conflict))
     against = ", ".join(str(v) for v in sorted({c["version"] for c in conflicts})) or "?"
     count = f"{len(conflicts)} conflict{'' if len(conflicts) == 1 else 's'}"
     click.echo(
@@ -667,6 +617,25 @@ def green() -> None:
 @click.option("--bounded", metavar="SIZE", default=None, help="Reserve SIZE, e.g. 4GiB.")
 @click.option("--dynamic", metavar="MAX", default=None, help="Grow on demand up to MAX.")
 @click.option("--case-insensitive", is_flag=True, help="Names match regardless of case.")
+@click.option(
+    "--private",
+    "private",
+    metavar="PATTERN",
+    multiple=True,
+    help="Also keep paths matching this gitignore pattern private to work volumes (repeatable).",
+)
+@click.option(
+    "--submit-ignored",
+    is_flag=True,
+    help="Submit what the repository's ignore files ignore (.git/ and --private stay private).",
+)
+@click.option(
+    "--rewrites",
+    type=click.Choice(["refine", "exact"]),
+    default="refine",
+    show_default=True,
+    help="exact: a file rewritten whole is submitted as one replacement of all of it.",
+)
 @runtime_dir_option
 @json_option
 def green_create(
@@ -675,12 +644,19 @@ def green_create(
     bounded: str | None,
     dynamic: str | None,
     case_insensitive: bool,
+    private: tuple[str, ...],
+    submit_ignored: bool,
+    rewrites: str,
     runtime_dir: str | None,
     as_json: bool,
 ) -> None:
     """Create green volume NAME at version 0: empty, or a captured copy of PATH.
 
-    It changes only by submissions from its work volumes.
+    It changes only by submissions from its work volumes.  Work volumes keep
+    .git/ and what the repository's .gitignore files and .git/info/exclude
+    ignore to themselves: visible there, never submitted, never landed.  A
+    file rewritten whole (an editor's save, sed -i, open(p, "w")) is
+    submitted as the edits that remain, so it merges like precise edits.
     """
     try:
         bounded_bytes, dynamic_bytes = parse_quota(bounded, dynamic)
@@ -697,6 +673,9 @@ def green_create(
                 bounded=bounded_bytes,
                 dynamic=dynamic_bytes,
                 case_insensitive=case_insensitive,
+                private=private,
+                submit_ignored=submit_ignored,
+                rewrites=rewrites,
             )
         info: dict[str, Any] = client.show_volume(gid)
     if as_json:
@@ -728,7 +707,7 @@ def work_create(
     """Create work volume NAME on a version of GREEN (by id or unique name); nothing is copied."""
     with _client(runtime_dir) as client:
         info: dict[str, Any] = client.create_work(
-            resolve_volume(client, green_ref), name, version=version
+            client.resolve(green_ref, "green"), name, version=version
         )
     if as_json:
         _echo_json(info)
@@ -738,27 +717,51 @@ def work_create(
 
 @click.command()
 @click.argument("work_ref", metavar="WORK")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="List what would be submitted, and its conflicts; change nothing.",
+)
 @runtime_dir_option
 @json_option
-def submit(work_ref: str, runtime_dir: str | None, as_json: bool) -> None:
+def submit(work_ref: str, dry_run: bool, runtime_dir: str | None, as_json: bool) -> None:
     """Offer WORK's changes (by id or unique name) to its green volume.
 
-    Accepted, they become the green volume's new head version.  Refused
-    because of conflicts, each conflict is printed (path, kind, ranges; base,
-    accepted and proposed bytes), the green head is unchanged, the work
-    volume keeps its edits, and the exit code is 3.  Acceptance is not a
-    test result.
+    Accepted, they become the green volume's new head version, and WORK
+    moves onto it (also while mounted), keeping its private paths (.git/,
+    ignored build outputs) and going on from there.  Refused because of
+    conflicts, each conflict is printed (path, kind, ranges, and the
+    smallest region where the sides differ), the green head is unchanged,
+    the work volume keeps its edits, and the exit code is 3.  With nothing
+    to submit, it says so and makes no version (exit 0).  Acceptance is not
+    a test result.
     """
     with _client(runtime_dir) as client:
-        vid = resolve_volume(client, work_ref)
-        result: dict[str, Any] = client.submit(vid)
+        vid = client.resolve(work_ref, "work")
+        result: dict[str, Any] = client.submit(vid, dry_run=dry_run)
     if not result["ok"]:
         kept = "the green head is unchanged and the work volume keeps its edits"
         _refused("submit", vid, result, as_json, kept)
     if as_json:
         _echo_json(result)
+        return
+    private = result["private"]
+    kept = f"; {private} private path{'' if private == 1 else 's'} kept in the work volume"
+    if dry_run:
+        click.echo(f"{vid}: would submit {len(result['paths'])} paths{kept if private else ''}")
+        for path in result["paths"]:
+            click.echo(f"  {path}")
+    elif result["nothing"]:
+        click.echo(f"{vid}: nothing to submit; no version was made{kept if private else ''}")
     else:
-        click.echo(f"{vid}: accepted; the green head is version {result['version']}")
+        click.echo(
+            f"{vid}: accepted; the green head is version {result['version']}"
+            f"{kept if private else ''}"
+        )
+    for path in result["refined"]:
+        click.echo(f"  {path}: rewritten whole; submitted as the edits that remain", err=True)
+    for path in result["literal"]:
+        click.echo(f"  {path}: rewritten whole, too large to refine: submitted whole", err=True)
 
 
 @click.command()
@@ -773,7 +776,7 @@ def rebase(work_ref: str, runtime_dir: str | None, as_json: bool) -> None:
     exit code is 3.
     """
     with _client(runtime_dir) as client:
-        vid = resolve_volume(client, work_ref)
+        vid = client.resolve(work_ref, "work")
         result: dict[str, Any] = client.rebase(vid)
     if not result["ok"]:
         _refused("rebase", vid, result, as_json, "the work volume is unchanged")
@@ -798,7 +801,7 @@ def rebase(work_ref: str, runtime_dir: str | None, as_json: bool) -> None:
 def versions(green_ref: str, limit: int, runtime_dir: str | None, as_json: bool) -> None:
     """The versions of GREEN (by id or unique name): base, work volume, changed paths."""
     with _client(runtime_dir) as client:
-        ledger: dict[str, Any] = client.ledger(resolve_volume(client, green_ref), limit=limit)
+        ledger: dict[str, Any] = client.ledger(client.resolve(green_ref, "green"), limit=limit)
     if as_json:
         _echo_json(ledger)
         return
@@ -835,7 +838,7 @@ def versions(green_ref: str, limit: int, runtime_dir: str | None, as_json: bool)
 def changed(green_ref: str, since: int, runtime_dir: str | None, as_json: bool) -> None:
     """Paths of GREEN (by id or unique name) changed after version VERSION, one per line."""
     with _client(runtime_dir) as client:
-        paths = client.changed_since(resolve_volume(client, green_ref), since)
+        paths = client.changed_since(client.resolve(green_ref, "green"), since)
     if as_json:
         _echo_json(paths)
     else:

@@ -5,14 +5,20 @@ asks the service for a plan and prints its manifest: one row per entry and
 a unified diff of each text file between what the disk holds now and the
 proposal.  It changes nothing.  `slates land approve MANIFEST` is the
 approval interface, the only place a grant is made: it shows the
-manifest, asks for confirmation on the controlling terminal (/dev/tty,
+manifest, then, prominently, which entries' disk state no longer matches
+their witness (they will conflict and be left alone) and why, asks for
+confirmation on the controlling terminal (/dev/tty,
 never stdin, so a pipe from an agent cannot answer), reads the approver
 credential (RUNTIME/approver.key, owner-only) and then lands the manifest,
 printing every entry's outcome.  Exit codes: 0 when every entry landed,
 LANDING_EXIT (4) when some entry conflicted or failed, and main.py's 1/2
-for errors.  `read-base` prints what the disk holds; `rewitness` records
-it as the new witness and prints the new manifest, which needs its own
-approval.  Thin over the SDK (commands.py explains the shared pieces).
+for errors.  Every conflict outcome says why.  `read-base` prints what
+the disk holds; `rewitness` records it as the new witness and prints the
+new manifest, which needs its own approval; `rewitness --merge` instead
+merges a developer's outside edit of a file into the proposal where the
+two do not overlap (the developer's line is kept) and lists the entries
+that overlap, which stay conflicts to resolve.  Thin over the SDK
+(commands.py explains the shared pieces).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from slates.node.runtime import Runtime
 from slates.node.service import shard_of
 from slates.sdk import Client
 
-from .commands import _client, _echo_json, _fail, json_option, resolve_volume, runtime_dir_option
+from .commands import _client, _echo_json, _fail, json_option, runtime_dir_option
 
 __all__ = ["land", "read_base", "rewitness", "LANDING_EXIT", "DIFF_LIMIT"]
 
@@ -167,7 +173,7 @@ def land_plan(
 ) -> None:
     """Show the plan to land VOLUME (a green head or version, or a work volume) into TARGET."""
     with _client(runtime_dir) as client:
-        vid = resolve_volume(client, volume_ref)
+        vid = client.resolve(volume_ref)
         plan = client.land_plan(vid, target, paths=list(paths) or None, version=version)
         if as_json:
             _echo_json(plan)
@@ -178,7 +184,48 @@ def land_plan(
     )
 
 
-def _confirm_on_terminal(manifest: str, target: str) -> None:
+def _warn_conflicts(check: dict[str, Any]) -> int:
+    """Before the question: which entries no longer match their witness, and why (stderr).
+
+    Returns how many will not land (conflicts, and entries that cannot be reached).
+    """
+    console = Console(stderr=True)
+    trouble = [e for e in check["entries"] if e["outcome"] in ("conflict", "fail")]
+    identical = sum(1 for e in check["entries"] if e["outcome"] == "identical")
+    if not trouble:
+        console.print(
+            Text(
+                "No entry will conflict: the disk still matches the witness at every entry"
+                f"{f' but {identical}, which already hold the proposal' if identical else ''}.",
+                style="green",
+            )
+        )
+        return 0
+    count = len(trouble)
+    one = count == 1
+    console.print(
+        Text(
+            f"WARNING: {count} of {len(check['entries'])} entries no longer "
+            f"{'matches its' if one else 'match their'} witness on disk: "
+            f"{'it' if one else 'they'} WILL CONFLICT"
+            f"{' (or fail)' if any(e['outcome'] == 'fail' for e in trouble) else ''}"
+            " and be left alone"
+            " (review with read-base; rewitness or rewitness --merge makes a new manifest)",
+            style="bold red",
+        )
+    )
+    table = Table(show_header=True, header_style="bold red")
+    for column in ("will", "path", "disk now", "why"):
+        table.add_column(column)
+    for entry in trouble:
+        table.add_row(
+            entry["outcome"], _cell(entry["path"]), _short(entry["disk"]), _cell(entry["reason"])
+        )
+    console.print(table)
+    return count
+
+
+def _confirm_on_terminal(manifest: str, target: str, conflicts: int = 0) -> None:
     """A human types the manifest id's first characters on the controlling terminal."""
     try:
         tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
@@ -187,9 +234,12 @@ def _confirm_on_terminal(manifest: str, target: str) -> None:
     expected = manifest.rsplit("-", 1)[-1][:8]
     try:
         termios.tcflush(tty, termios.TCIFLUSH)  # nothing typed ahead counts
+        warning = ""
+        if conflicts:
+            warning = f"{conflicts} {'entry' if conflicts == 1 else 'entries'} will conflict; "
         prompt = (
             f"Type {expected} to approve landing {manifest} into {_safe(target)} "
-            "(anything else refuses): "
+            f"({warning}anything else refuses): "
         )
         os.write(tty, prompt.encode("utf-8", "backslashreplace"))
         answer = b""
@@ -250,7 +300,9 @@ def land_approve(
     with _client(runtime_dir) as client:
         plan = client.land_show(manifest)
         _show(client, plan, "Approve landing", err=True)
-        _confirm_on_terminal(manifest, plan["target"])
+        check = client.call(shard_of(manifest), "land.check", manifest=manifest)
+        conflicts = _warn_conflicts(check)
+        _confirm_on_terminal(manifest, plan["target"], conflicts)
         grant = client.call(
             shard_of(manifest),
             "land.grant",
@@ -291,16 +343,33 @@ def read_base(manifest: str, path: str, runtime_dir: str | None) -> None:
 @click.command()
 @click.argument("manifest")
 @click.option("--path", "paths", multiple=True, help="Rewitness only this path (repeatable).")
+@click.option(
+    "--merge",
+    is_flag=True,
+    help="Merge each outside edit of a file into the proposal where they do not overlap.",
+)
 @runtime_dir_option
 @json_option
 def rewitness(
-    manifest: str, paths: tuple[str, ...], runtime_dir: str | None, as_json: bool
+    manifest: str, paths: tuple[str, ...], merge: bool, runtime_dir: str | None, as_json: bool
 ) -> None:
-    """Record what the disk holds now as MANIFEST's witness: a new manifest to approve."""
+    """Record what the disk holds now as MANIFEST's witness: a new manifest to approve.
+
+    With --merge, a file the developer edited on disk keeps that edit: the new manifest
+    witnesses the disk and proposes the agents' change merged into it.  Entries whose
+    outside edit overlaps the proposal stay as they are (they conflict) and are listed.
+    """
     with _client(runtime_dir) as client:
-        renewed = client.rewitness(manifest, list(paths) or None)
+        renewed = client.rewitness(manifest, list(paths) or None, merge=merge)
         if as_json:
             _echo_json(renewed)
             return
         _show(client, renewed, "New manifest")
+    if merge:
+        for path in renewed["merged"]:
+            click.echo(f"merged: {_safe(path)}: the outside edit is kept, the proposal merged in")
+        for item in renewed["unmerged"]:
+            click.echo(f"not merged: {_safe(item['path'])}: {_safe(item['reason'])}")
+        if not renewed["merged"] and not renewed["unmerged"]:
+            click.echo("nothing to merge: no selected entry has an outside edit")
     click.echo(f"approve with: slates land approve {renewed['manifest']}")

@@ -302,7 +302,14 @@ def print_workspace_demo(observed: dict[str, Any], console: Console) -> None:
     merge_rows: list[tuple[str, str | Text]] = [("green volume", observed["green"])]
     for name, outcome in observed["submits"].items():
         if outcome["ok"]:
-            merge_rows.append((f"submit {name}", f"accepted as version {outcome['version']}"))
+            private = outcome["private"]
+            kept = f"; {private} private paths (.git/, app) kept in the work volume"
+            merge_rows.append(
+                (
+                    f"submit {name}",
+                    f"accepted as version {outcome['version']}{kept if private else ''}",
+                )
+            )
             continue
         for conflict in outcome["conflicts"]:
             merge_rows.append(
@@ -317,11 +324,7 @@ def print_workspace_demo(observed: dict[str, Any], console: Console) -> None:
     merge_rows += [
         ("head version", str(observed["head"])),
         ("image.conf at the head", _shown(observed["head_image_conf"])),
-        (
-            "changed since version 0",
-            ", ".join(p for p in observed["changed"] if not p.startswith("/.git/"))
-            + f" ({len(observed['changed'])} paths with .git)",
-        ),
+        ("changed since version 0", ", ".join(observed["changed"])),
     ]
     console.print(_facts("Three agents submit to the green volume", merge_rows))
 

@@ -3,10 +3,12 @@
 Theory of operation: start an anchor in a private runtime directory, make a
 green volume from a sample project (captured once), give agent 1 a work
 volume and mount it, and work in it the way an agent would: edit a file
-with ordinary file calls, run git and a compiler, take a snapshot and clone
-it for a second attempt.  Two more agents edit the same file through the
-SDK; all three submit: two compatible edits combine, the competing one comes
-back as a structured conflict and changes nothing.
+with ordinary file calls and `sed -i`, run git and a compiler, take a
+snapshot and clone it for a second attempt.  Two more agents edit the same
+file through the SDK; all three submit: two compatible edits combine, the
+competing one comes back as a structured conflict and changes nothing.
+Agent 1's git repository and build output (ignored by the project's
+.gitignore) stay private to its work volume: never submitted.
 Every step is a real process or system call; the script then shows that
 the project directory was never written, unmounts, and stops the anchor it
 started.  It returns a plain dict of what it observed, for the CLI to print.
@@ -40,6 +42,7 @@ def _sample(root: Path) -> None:
     (root / "Makefile").write_text(
         "app: src/main.c src/decoder.c\n\tcc -o app src/main.c src/decoder.c\n"
     )
+    (root / ".gitignore").write_text("/app\n*.o\n")
 
 
 def _digest(root: Path) -> str:
@@ -73,10 +76,13 @@ def _outcome(submitted: dict[str, Any]) -> dict[str, Any]:
     """A submit's result with its conflicts' bytes as text (the demo's files are ASCII)."""
 
     def text(value: object) -> object:
-        return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+        if isinstance(value, bytes):
+            return value.decode("utf-8", "replace")
+        if isinstance(value, dict):
+            return {k: text(v) for k, v in value.items()}
+        return value
 
-    conflicts = [{k: text(v) for k, v in c.items()} for c in submitted["conflicts"]]
-    return {**submitted, "conflicts": conflicts}
+    return {**submitted, "conflicts": [text(c) for c in submitted["conflicts"]]}
 
 
 def run_workspace_demo() -> dict[str, Any]:
@@ -100,8 +106,8 @@ def run_workspace_demo() -> dict[str, Any]:
                     f.seek(8)
                     f.write(b"90")
                 result["image_conf_in_mount"] = conf.read_text()
-                decoder = mnt / "src" / "decoder.c"
-                decoder.write_text(decoder.read_text().replace("80", "90"))
+                # sed -i saves a new file over the old one: still an edit of decoder.c.
+                _run(["sed", "-i", "s/80/90/", "src/decoder.c"], mnt)
                 _run(["git", "init", "-q"], mnt)
                 _run(["git", "add", "-A"], mnt)
                 _run(["git", "commit", "-qm", "agent work"], mnt)

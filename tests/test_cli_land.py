@@ -63,6 +63,7 @@ def _approve_on_a_terminal(service: Service, manifest: str, answer: str | None) 
     """Run `land approve` with a pty as its terminal; type `answer` at the prompt."""
     pid, master = pty.fork()
     if pid == 0:  # the child: its controlling terminal is the pty
+        os.environ["COLUMNS"] = "400"  # wide: table cells are not wrapped
         os.execv(
             sys.executable,
             [*CLI, "land", "approve", manifest, "--runtime-dir", str(service.runtime)],
@@ -150,3 +151,78 @@ def test_a_disk_conflict_exits_4_and_rewitness_needs_a_new_approval(
     code, output = _approve_on_a_terminal(service, m8["manifest"], m8["id"][:8])
     assert code == 0, output
     assert (project / "image.conf").read_bytes() == b"quality=90\ncache=off\n"
+
+
+def test_the_approval_screen_warns_of_conflicts_before_asking_and_says_why(
+    service: Service, project: Path
+) -> None:
+    green = _accepted_green(service, project)
+    m7 = json.loads(_cli(service, "land", "--json", green, str(project)).stdout)["manifest"]
+    (project / "image.conf").write_bytes(b"quality=60\ncache=off\n")  # a developer's edit
+    (project / "src" / "old.c").unlink()  # already deleted: identical, not a conflict
+    code, output = _approve_on_a_terminal(service, m7, "nope")
+    assert code != 0
+    question = output.index("to approve landing")
+    warning = output.index("WARNING: 1 of 3 entries no longer matches its witness")
+    assert warning < question
+    screen = output[warning:question]
+    assert "WILL CONFLICT" in screen and "image.conf" in screen
+    assert "src/new.c" not in screen and "src/old.c" not in screen
+    assert "content changed since the witness (BLAKE3" in screen
+    assert "1 entry will conflict" in output[question:]
+    assert (project / "image.conf").read_bytes() == b"quality=60\ncache=off\n"
+
+    code, output = _approve_on_a_terminal(service, m7, m7.rsplit("-", 1)[-1][:8])
+    assert code == 4, output
+    outcome = next(line for line in output.splitlines() if "conflict" in line and "image" in line)
+    assert "content changed since the witness (BLAKE3" in outcome  # the outcome says why
+    assert (project / "image.conf").read_bytes() == b"quality=60\ncache=off\n"
+    assert sorted(os.listdir(project / "src")) == ["new.c"]
+
+
+def test_an_unchanged_disk_is_said_so_before_asking(service: Service, project: Path) -> None:
+    green = _accepted_green(service, project)
+    m7 = json.loads(_cli(service, "land", "--json", green, str(project)).stdout)["manifest"]
+    code, output = _approve_on_a_terminal(service, m7, "nope")
+    assert code != 0
+    assert "WARNING" not in output
+    assert output.index("No entry will conflict") < output.index("to approve")
+
+
+def test_rewitness_merge_keeps_the_developers_line_and_needs_a_new_approval(
+    service: Service, project: Path
+) -> None:
+    green = _accepted_green(service, project)
+    m7 = json.loads(_cli(service, "land", "--json", green, str(project)).stdout)["manifest"]
+    (project / "image.conf").write_bytes(b"quality=80\ncache=on\n")  # another line
+    done = _cli(service, "rewitness", m7, "--merge")
+    assert done.returncode == 0, done.stderr
+    assert "merged: image.conf" in done.stdout
+    assert "+cache=on" not in done.stdout and "+quality=90" in done.stdout  # disk -> merged
+    m8 = json.loads(_cli(service, "rewitness", m7, "--merge", "--json").stdout)
+    assert m8["merged"] == ["image.conf"] and m8["unmerged"] == []
+    assert m8["manifest"] != m7 and f"slates land approve {m8['manifest']}" in done.stdout
+    # The old manifest's approval answer does not approve the new one.
+    code, _output = _approve_on_a_terminal(service, m8["manifest"], m7.rsplit("-", 1)[-1][:8])
+    assert code != 0
+    assert (project / "image.conf").read_bytes() == b"quality=80\ncache=on\n"
+    code, output = _approve_on_a_terminal(service, m8["manifest"], m8["id"][:8])
+    assert code == 0, output
+    assert "WARNING" not in output
+    assert (project / "image.conf").read_bytes() == b"quality=90\ncache=on\n"
+    assert sorted(os.listdir(project / "src")) == ["new.c"]
+
+
+def test_rewitness_merge_leaves_an_overlapping_edit_a_conflict(
+    service: Service, project: Path
+) -> None:
+    green = _accepted_green(service, project)
+    m7 = json.loads(_cli(service, "land", "--json", green, str(project)).stdout)["manifest"]
+    (project / "image.conf").write_bytes(b"quality=60\ncache=off\n")  # the same bytes
+    done = _cli(service, "rewitness", m7, "--merge")
+    assert done.returncode == 0, done.stderr
+    assert "not merged: image.conf: the outside edit overlaps the proposal" in done.stdout
+    assert f"slates land approve {m7}" in done.stdout  # nothing merged: the same manifest
+    code, output = _approve_on_a_terminal(service, m7, m7.rsplit("-", 1)[-1][:8])
+    assert code == 4, output
+    assert (project / "image.conf").read_bytes() == b"quality=60\ncache=off\n"

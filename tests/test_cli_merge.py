@@ -105,6 +105,13 @@ def test_submit_versions_and_changed(service: Service, project: Path) -> None:
         "ok": True,
         "version": 2,
         "conflicts": [],
+        "made_version": True,
+        "nothing": False,
+        "dry_run": False,
+        "private": 0,
+        "paths": ["/image.conf", "/src", "/src/a.c"],
+        "refined": [],
+        "literal": [],
         "rebased": True,
     }
     with Client(service.runtime) as client:
@@ -181,8 +188,11 @@ def test_conflicting_submit(service: Service, project: Path) -> None:
     assert re.search(r"accepted in +│ version 1 ", quality), quality
     assert re.search(r"base range +│ \[8, 10\) ", quality), quality
     assert re.search(r"head range +│ \[8, 10\) ", quality), quality
-    for label, shown in (("base", "b'80'"), ("accepted", "b'90'"), ("proposed", "b'60'")):
-        assert re.search(rf"│ {label} +│ {re.escape(shown)} ", quality), (label, quality)
+    # The smallest region where the sides differ, with its line: 9 against 6 (from 8).
+    assert re.search(r"│ accepted \(v1\) +│ line 1: quality=90 ", quality), quality
+    assert re.search(r"│ proposed +│ line 1: quality=60 ", quality), quality
+    assert "differs at [8, 9): '9'" in quality and "differs at [8, 9): '6'" in quality
+    assert re.search(r"│ base +│ line 1 at \[8, 9\): '8' ", quality), quality
     notes = by_path["/notes.txt"]
     assert re.search(r"kind +│ overlap ", notes), notes
     assert f"{b'b' * 64!r}... (100 B in all)" in notes  # cut for people
@@ -196,6 +206,10 @@ def test_conflicting_submit(service: Service, project: Path) -> None:
     result = json.loads(refused(done, "submit", second))
     assert result["ok"] is False and result["version"] is None
     conflicts = {c["path"]: c for c in result["conflicts"]}
+    region = conflicts["/image.conf"].pop("region")
+    # The smallest region where the sides differ: the word 90 against 60, on line 1.
+    assert (region["accepted"]["data"], region["proposed"]["data"]) == ("9", "6"), region
+    assert region["accepted"]["line"] == region["proposed"]["line"] == 1, region
     assert conflicts["/image.conf"] == {
         "path": "/image.conf",
         "kind": "overlap",
@@ -205,6 +219,7 @@ def test_conflicting_submit(service: Service, project: Path) -> None:
         "accepted": "90",
         "proposed": "60",
         "version": 1,
+        "rewrite": False,
     }
     assert conflicts["/notes.txt"]["proposed"].encode("latin-1") == PROPOSED_NOTES
     assert conflicts["/notes.txt"]["base_bytes"].encode("latin-1") == NOTES
@@ -227,7 +242,7 @@ def test_rebase(service: Service, project: Path) -> None:
 
     # A conflicting rebase is refused like a submit and leaves the work volume alone.
     out = refused(slates("rebase", "agent2", *rt), "rebase", second)
-    assert "/image.conf" in out and "overlap" in out and "b'60'" in out
+    assert "/image.conf" in out and "overlap" in out and "quality=60" in out
     result = json.loads(refused(slates("rebase", second, "--json", *rt), "rebase", second))
     assert result["ok"] is False and result["version"] == 0
     assert {c["path"] for c in result["conflicts"]} == {"/image.conf", "/notes.txt", "/d/f"}
@@ -247,6 +262,13 @@ def test_rebase(service: Service, project: Path) -> None:
         "ok": True,
         "version": 2,
         "conflicts": [],
+        "made_version": True,
+        "nothing": False,
+        "dry_run": False,
+        "private": 0,
+        "paths": ["/image.conf"],
+        "refined": [],
+        "literal": [],
         "rebased": True,
     }
     with Client(service.runtime) as client:
@@ -279,13 +301,17 @@ def test_bad_input(service: Service, project: Path) -> None:
         ("green", "create", "g", "--base", project.parent / "missing"),
     ):
         failed(slates(*args, *rt), "NotFound")
+    # A name of a volume of another role: not found among work volumes, and it says so.
+    for other_role in (
+        ("submit", "plain"),
+        ("work", "create", "plain", "x"),
+        ("versions", "agent"),
+    ):
+        assert "it names" in failed(slates(*other_role, *rt), "NotFound"), other_role
     for refused_args, says in (
-        (("submit", "plain"), "not a work volume"),
         (("submit", gid), "not a work volume"),
         (("rebase", plain), "not a work volume"),
-        (("work", "create", "plain", "x"), "not a green volume"),
         (("work", "create", wid, "x"), "not a green volume"),
-        (("versions", "agent"), "not a green volume"),
         (("changed", plain, "--since", "0", "--json"), "not a green volume"),
         (("green", "create", "g", "--bounded", "1MiB", "--dynamic", "2MiB"), "not both"),
         (("green", "create", "g", "--bounded", "4XB"), "4XB"),

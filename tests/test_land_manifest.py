@@ -1,10 +1,11 @@
 """Landing manifests (slates.land.manifest): ids, canonical encoding, the three-way rule.
 
-Pure tests, no I/O.  They follow DESIGN.md section 6 and the product
-description's "Writing Approved Changes to Disk": a manifest lists each
-entry (path, witnessed state or absent, proposed state or delete), its id
-is the BLAKE3 of its canonical encoding, so any change of selection,
-witness or proposal changes the id; paths never leave the target.
+Pure tests, no I/O (plans are made from in-memory volumes).  They follow
+DESIGN.md section 6 and the product description's "Writing Approved Changes
+to Disk": a manifest lists each entry (path, witnessed state or absent,
+proposed state or delete), its id is the BLAKE3 of its canonical encoding,
+so any change of selection, witness or proposal changes the id; paths never
+leave the target; private paths are never planned.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slates.errors import InvalidArgument
+from slates.core import ROOT_INO, Host, Volume
+from slates.core.volume import Root
+from slates.errors import InvalidArgument, NotFound
 from slates.land.manifest import (
     Decision,
     Entry,
@@ -29,6 +32,8 @@ from slates.land.manifest import (
     manifest_from_wire,
     order_for_apply,
 )
+from slates.merge.private import PrivateMatcher, PrivatePolicy
+from slates.node.landing import LandingDesk
 
 TARGET = "/home/dev/project"
 
@@ -354,3 +359,64 @@ def test_a_rewitness_that_changes_a_witness_changes_the_id(
     renewed = manifest.rewitnessed({entry.path: observed})
     assert renewed != manifest
     assert renewed.manifest_id != manifest.manifest_id
+
+
+# -- plans leave private paths out ------------------------------------------------------
+
+
+def _tree(host: Host, files: dict[str, bytes]) -> Root:
+    volume = Volume.new(host)
+    for path, data in files.items():
+        parent = ROOT_INO
+        parts = path.split("/")
+        for part in parts[:-1]:
+            try:
+                parent = volume.lookup(parent, part).ino
+            except NotFound:
+                parent = volume.mkdir(parent, part).ino
+        ino = volume.create(parent, parts[-1]).ino
+        volume.write(ino, 0, data)
+    return volume.snapshot("snap-0-1").root
+
+
+def test_a_plan_leaves_private_paths_out() -> None:
+    """`.git/` and what the repository ignores are private to work volumes: a plan never
+    lands them (the matcher is the one submissions use, asked with volume paths)."""
+    host = Host()
+    ignore = b"*.o\nbuild/\n"
+    witness = _tree(host, {".gitignore": ignore, "src/a.c": b"a1\n", ".git/HEAD": b"ref: main\n"})
+    proposal = _tree(
+        host,
+        {
+            ".gitignore": ignore,
+            "src/a.c": b"a2\n",
+            "src/a.o": b"\x7fELF",
+            "build/out/x": b"x",
+            ".git/HEAD": b"ref: other\n",
+            ".git/objects/ab": b"blob",
+        },
+    )
+
+    def read(root: Root, ino: int) -> bytes:
+        reader = Volume(host, root)
+        try:
+            return reader.read(ino, 0, reader.getattr(ino).size)
+        finally:
+            reader.close()
+
+    def gitignore(path: str) -> bytes | None:
+        return ignore if path == "/.gitignore" else None
+
+    matcher = PrivateMatcher(PrivatePolicy(), gitignore)
+    asked: list[tuple[str, bool]] = []
+
+    def private(path: str, is_dir: bool) -> bool:
+        asked.append((path, is_dir))
+        return matcher.is_private("/" + path, is_dir)
+
+    everything = LandingDesk.plan(witness, proposal, "snap-0-1", TARGET, read, None)
+    assert {e.path for e in everything.entries} >= {"src/a.o", ".git/HEAD", "build/out/x"}
+    plan = LandingDesk.plan(witness, proposal, "snap-0-1", TARGET, read, None, private)
+    assert [e.path for e in plan.entries] == ["src/a.c"]
+    assert (".git", True) in asked and ("build", True) in asked
+    assert not any(path.startswith(".git/") for path, _ in asked)  # nothing below is walked

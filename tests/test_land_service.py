@@ -507,6 +507,163 @@ def test_entries_below_a_directory_the_developer_removed_are_identical(
     assert sorted(os.listdir(project)) == ["keep.txt"]
 
 
+# -- why entries conflict, and merging an outside edit (rewitness --merge) -------------------
+
+
+def check(client: Client, manifest: str) -> dict[str, dict[str, Any]]:
+    """What the approval screen asks before the question: each entry's outcome if landed now."""
+    reply = client.call(shard_of(manifest), "land.check", manifest=manifest)
+    assert reply["manifest"] == manifest
+    return {str(e["path"]): e for e in reply["entries"]}
+
+
+def test_the_approval_check_and_every_conflict_outcome_say_why(
+    service: Service, tmp_path: Path
+) -> None:
+    names = ("changed.txt", "gone.txt", "kind.txt", "mode.txt", "ok.txt")
+    project = make_tree(tmp_path / "project", {n: f"{n} 1\n".encode() for n in names})
+    with Client(service.runtime) as client:
+        green, work = green_and_work(client, project, "why")
+        for n in names:
+            client.write(work, "/" + n, f"{n} 2\n".encode(), truncate=True)
+        client.write(work, "/fresh.txt", b"agents\n")
+        assert client.submit(work)["ok"]
+        plan = client.land_plan(green, project)
+        before = check(client, plan["manifest"])
+        assert {p: e["outcome"] for p, e in before.items()} == {
+            n: "apply" for n in [*names, "fresh.txt"]
+        }
+        assert all("reason" not in e for e in before.values())
+
+        (project / "changed.txt").write_bytes(b"developer\n")
+        (project / "gone.txt").unlink()
+        (project / "kind.txt").unlink()
+        (project / "kind.txt").mkdir()
+        (project / "mode.txt").chmod(0o600)
+        (project / "fresh.txt").write_bytes(b"mine\n")
+        on_disk = digest(b"developer\n")[:12]
+        expected = {
+            "changed.txt": f"content changed since the witness (BLAKE3 {on_disk} on disk",
+            "gone.txt": "the disk entry vanished",
+            "kind.txt": "the disk is a directory, the witness a file and the proposal a file",
+            "mode.txt": "mode changed since the witness (600 on disk, 644 witnessed)",
+            "fresh.txt": "the disk has a file here where the witness had nothing",
+        }
+        untouched = fingerprint(project)
+        seen = check(client, plan["manifest"])
+        assert fingerprint(project) == untouched  # the check only reads
+        assert seen["ok.txt"]["outcome"] == "apply"
+        for path, words in expected.items():
+            assert seen[path]["outcome"] == "conflict", path
+            assert words in seen[path]["reason"], (path, seen[path]["reason"])
+
+        result = client.land_apply(
+            plan["manifest"], approve(client, service.runtime, plan["manifest"])
+        )
+    found = outcomes(result)
+    assert found == {"ok.txt": "applied", **{p: "conflict" for p in expected}}
+    for entry in result["entries"]:
+        if entry["outcome"] == "conflict":
+            assert expected[entry["path"]] in entry["reason"], entry
+            assert entry["reason"] == seen[entry["path"]]["reason"]
+        else:
+            assert "reason" not in entry
+    assert (project / "changed.txt").read_bytes() == b"developer\n"
+    assert (project / "ok.txt").read_bytes() == b"ok.txt 2\n"
+
+
+SETTINGS = b"quality=80\ncache=off\nsize=10\n"
+
+
+@pytest.mark.parametrize("restart", ["journal", "checkpoint"])
+def test_rewitness_merge_keeps_the_developers_line_and_lands_both(
+    request: pytest.FixtureRequest, tmp_path: Path, restart: str
+) -> None:
+    running: Service = request.getfixturevalue(
+        "service" if restart == "journal" else "checkpointing_service"
+    )
+    project = make_tree(tmp_path / "project", {"settings.conf": SETTINGS, "other.conf": b"a=1\n"})
+    settings_conf, other_conf = project / "settings.conf", project / "other.conf"
+    with Client(running.runtime) as client:
+        green, work = green_and_work(client, project, f"merge-{restart}")
+        client.edit(work, "/settings.conf", 8, 10, b"90")
+        client.write(work, "/other.conf", b"a=2\n", truncate=True)
+        assert client.submit(work)["ok"]
+        m7 = client.land_plan(green, project)
+        grant7 = approve(client, running.runtime, m7["manifest"])  # approved, not yet used
+
+        settings_conf.write_bytes(b"quality=80\ncache=off\nsize=12\n")  # another line
+        other_conf.write_bytes(b"a=3\n")  # the very bytes the agents changed
+        m8 = client.rewitness(m7["manifest"], merge=True)
+        merged = b"quality=90\ncache=off\nsize=12\n"
+        assert m8["merged"] == ["settings.conf"]
+        [unmerged] = m8["unmerged"]
+        assert unmerged["path"] == "other.conf" and "overlaps the proposal" in unmerged["reason"]
+        assert m8["id"] != m7["id"] and rebuilt(m8).manifest_id == m8["id"]
+        entries = {e["path"]: e for e in m8["entries"]}
+        assert entries["settings.conf"] == {
+            "path": "settings.conf",
+            "witnessed": ["file", digest(b"quality=80\ncache=off\nsize=12\n"), 0o644],
+            "proposed": ["file", digest(merged), 0o644],
+        }
+        assert entries["other.conf"] == next(
+            e for e in m7["entries"] if e["path"] == "other.conf"
+        )  # the overlapping one stays as it was: it will conflict
+        assert settings_conf.read_bytes() == b"quality=80\ncache=off\nsize=12\n"  # no disk write
+        assert client.land_content(m8["manifest"], "settings.conf")["proposed"] == merged
+        # Only the overlapping entry is selected: nothing merges, the manifest is the same.
+        same = client.rewitness(m7["manifest"], paths=["other.conf"], merge=True)
+        assert same["id"] == m7["id"] and same["merged"] == []
+        assert [u["path"] for u in same["unmerged"]] == ["other.conf"]
+
+        with pytest.raises(GrantInvalid):
+            client.land_apply(m8["manifest"], grant7)  # M7's grant cannot approve M8
+        assert settings_conf.read_bytes() == b"quality=80\ncache=off\nsize=12\n"
+
+        # The merged bytes exist in no snapshot: the shard must keep them across a restart.
+        if restart == "checkpoint":
+            for i in range(4):
+                client.write(work, f"/filler{i}", os.urandom(48 << 10))
+        index = shard_of(m8["manifest"])
+        running.wait_restarted(index, running.kill_shard(index))
+        view = {k: v for k, v in m8.items() if k not in ("merged", "unmerged")}
+        assert client.land_show(m8["manifest"]) == view
+        assert client.land_content(m8["manifest"], "settings.conf")["proposed"] == merged
+
+        # A person resolves other.conf (the agents' value wins) with a plain rewitness;
+        # the merged proposal of settings.conf goes along into that manifest.
+        m9 = client.rewitness(m8["manifest"], paths=["other.conf"])
+        assert m9["id"] not in (m7["id"], m8["id"])
+        result = client.land_apply(m9["manifest"], approve(client, running.runtime, m9["manifest"]))
+        assert outcomes(result) == {"other.conf": "applied", "settings.conf": "applied"}
+    assert settings_conf.read_bytes() == merged  # the developer's line and the agents' change
+    assert other_conf.read_bytes() == b"a=2\n"
+    assert temp_names(project) == []
+
+
+def test_landing_a_merged_manifest_with_an_overlap_left_conflicts_with_its_reason(
+    service: Service, tmp_path: Path
+) -> None:
+    project = make_tree(tmp_path / "project", {"settings.conf": SETTINGS, "other.conf": b"a=1\n"})
+    with Client(service.runtime) as client:
+        green, work = green_and_work(client, project, "merge-overlap")
+        client.edit(work, "/settings.conf", 8, 10, b"90")
+        client.write(work, "/other.conf", b"a=2\n", truncate=True)
+        assert client.submit(work)["ok"]
+        m7 = client.land_plan(green, project)
+        (project / "settings.conf").write_bytes(b"quality=80\ncache=on\nsize=10\n")
+        (project / "other.conf").write_bytes(b"a=3\n")
+        m8 = client.rewitness(m7["manifest"], merge=True)
+        seen = check(client, m8["manifest"])
+        assert seen["settings.conf"]["outcome"] == "apply"
+        assert seen["other.conf"]["outcome"] == "conflict"
+        assert "content changed since the witness" in seen["other.conf"]["reason"]
+        result = client.land_apply(m8["manifest"], approve(client, service.runtime, m8["manifest"]))
+    assert outcomes(result) == {"other.conf": "conflict", "settings.conf": "applied"}
+    assert (project / "settings.conf").read_bytes() == b"quality=90\ncache=on\nsize=10\n"
+    assert (project / "other.conf").read_bytes() == b"a=3\n"  # left for a person to resolve
+
+
 # -- path traversal -----------------------------------------------------------------------------
 
 

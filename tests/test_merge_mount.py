@@ -75,12 +75,14 @@ def test_edits_through_a_mount_merge_with_sdk_edits(
     assert sorted(p.name for p in (project / "src").iterdir()) == ["gone.c", "old.c"]
 
 
-def test_a_mount_rewriting_a_whole_file_conflicts_with_a_precise_edit(
-    service: Service, project: Path, tmp_path: Path
+@pytest.mark.parametrize("rewrites", ["refine", "exact"])
+def test_a_mount_rewriting_a_whole_file_merges_unless_rewrites_are_exact(
+    service: Service, project: Path, tmp_path: Path, rewrites: str
 ) -> None:
-    """Truncate-and-rewrite is recorded as one replacement, even if one line differs."""
+    """Truncate-and-rewrite is recorded as one replacement; at submit it is refined into
+    the one line that changed (or, with --rewrites exact, kept whole: a conflict)."""
     with Client(service.runtime) as client:
-        green = client.create_green("main", base=project)
+        green = client.create_green("main", base=project, rewrites=rewrites)
         mine = client.create_work(green, "mounted")
         theirs = client.create_work(green, "sdk")
         with mounted(client, mine["id"], tmp_path / "mnt") as where:
@@ -88,6 +90,14 @@ def test_a_mount_rewriting_a_whole_file_conflicts_with_a_precise_edit(
             client.edit(theirs["id"], "/image.conf", 8, 10, b"90")
             assert client.submit(theirs["id"])["ok"]
             result = client.submit(mine["id"])
+            both = CONF.replace(b"quality=80", b"quality=90").replace(b"line 1000", b"line XXXX")
+            if rewrites == "refine":
+                assert result["ok"] and result["refined"] == ["/image.conf"], result
+                assert client.read(green, "/image.conf") == both
+                # The mounted work volume moved onto the version it made: the kernel
+                # was told, so the mount reads the other agent's edit too.
+                assert (where / "image.conf").read_bytes() == both
+                return
         assert not result["ok"]
         (conflict,) = result["conflicts"]
         assert conflict["path"] == "/image.conf" and conflict["kind"] == "overlap"

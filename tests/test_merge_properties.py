@@ -15,6 +15,10 @@
   sides touched disjoint objects and names the submission must be accepted
   with exactly that result.  Conflicts leave the head and the work alone.
   Each run ends with a replay and a checkpoint compared to the live state.
+
+These greens keep rewrites exact (`rewrites="exact"`): the oracle is the
+recorded ranges.  Refined rewrites have their own properties (test_refine,
+test_agent_merge).
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def run_in_order(case: Case, order: tuple[int, ...]) -> None:
     base, plans = case
     edits = [composed(base, plan) for plan in plans]
     service = Service()
-    green = service.green(base)
+    green = service.green(base, rewrites="exact")
     works = [service.work(green) for _ in plans]
     for work, plan, agent_edits in zip(works, plans, edits, strict=True):
         for path, ops in plan.items():
@@ -217,7 +221,7 @@ def test_inserts_on_both_sides_of_a_deleted_range_are_not_lost() -> None:
     heads = set()
     for order in itertools.permutations(range(3)):
         service = Service()
-        green = service.green(base)
+        green = service.green(base, rewrites="exact")
         works = [service.work(green) for _ in plans]
         for work, plan in zip(works, plans, strict=True):
             for op in plan["/f0"]:
@@ -239,7 +243,7 @@ def test_the_verdict_on_inserts_beside_a_deleted_range_does_not_depend_on_order(
     verdicts = {}
     for order in itertools.permutations(range(3)):
         service = Service()
-        green = service.green(base)
+        green = service.green(base, rewrites="exact")
         works = [service.work(green) for _ in plans]
         for work, plan in zip(works, plans, strict=True):
             for op in plan["/f0"]:
@@ -352,7 +356,7 @@ class GreenMachine(RuleBasedStateMachine):
 
     @initialize(files=st.dictionaries(st.sampled_from(NAMES), contents, max_size=4))
     def start(self, files: dict[str, bytes]) -> None:
-        self.green = self.service.green(files, ["/d"])
+        self.green = self.service.green(files, ["/d"], rewrites="exact")
         self.versions = [{}, self.service.files(self.green)]
         self.touched = [set(), set()]
 

@@ -60,20 +60,23 @@ def test_a_user_file_named_like_a_staging_name_survives_a_move() -> None:
     assert service.tree(green) == {"/.slates-merge-0": b"precious", "/c": b"A"}
 
 
-def test_a_mounted_work_volume_never_merges_a_change_twice_or_drops_one() -> None:
+def test_a_mounted_work_volume_moves_on_and_never_merges_a_change_twice_or_drops_one() -> None:
     service = Service()
     green = service.green({"/f": b"0123456789"})
     work = service.work(green)
-    service.call("fs.lookup", volume=work, parent=ROOT_INO, name="f")  # a mount holds /f
+    held = service.call("fs.lookup", volume=work, parent=ROOT_INO, name="f")["ino"]  # a mount
     service.edit(work, "/f", 0, 0, b"X")
     result = service.submit(work)
-    assert result["ok"] and result["rebased"] is False
-    assert service.submit(work)["ok"]  # nothing new: nothing happens
+    assert result["ok"] and result["rebased"] is True and result["made_version"] is True
+    assert service.svc.volumes[work].handles(held) == 1  # the kernel's reference moved along
+    again = service.submit(work)  # nothing new: nothing happens
+    assert again["ok"] and again["nothing"] and not again["made_version"]
     assert service.read(green, "/f") == b"X0123456789"
     service.edit(work, "/f", 0, 1, b"")  # a change after the acceptance...
-    reply = service.raw("submit", volume=work)
-    assert reply["ok"] is False and reply["error"]["code"] == "InvalidArgument"
-    assert service.read(green, "/f") == b"X0123456789"  # ...is refused, not silently lost
+    result = service.submit(work)
+    assert result["ok"] and result["made_version"], result
+    assert service.read(green, "/f") == b"0123456789"  # ...is the next version, once
+    assert service.raw("fs.getattr", volume=work, ino=held)["ok"]
     assert_same_state(service.svc, service.replayed())
 
 

@@ -23,6 +23,8 @@ from slates.base.live import LiveDirectory
 from slates.core.host import Host
 from slates.core.records import DirItem, Kind
 from slates.core.volume import ROOT_INO, Volume
+from slates.merge.changes import Edit
+from slates.merge.ranges import apply as apply_edits
 from slates.node.protocol import Request
 from slates.node.service import Event, ShardService
 from tests.test_merge_ranges import draw_line_edits, git_merge
@@ -103,9 +105,11 @@ class Service:
             raise AssertionError(f"{op} {args!r} failed: {reply['error']!r}")
         return reply["result"]
 
-    def green(self, files: dict[str, bytes] | None = None, dirs: Iterable[str] = ()) -> str:
+    def green(
+        self, files: dict[str, bytes] | None = None, dirs: Iterable[str] = (), **policy: Any
+    ) -> str:
         """A green volume; with files or dirs, version 1 holds them (submitted by a setup work)."""
-        green = str(self.call("green.create", name="green")["id"])
+        green = str(self.call("green.create", name="green", **policy)["id"])
         dirs = list(dirs)
         if files or dirs:
             setup = self.work(green)
@@ -442,9 +446,9 @@ def test_temporary_content_leaves_no_change() -> None:
 
 
 @pytest.mark.parametrize("first", ["rewrite", "edit"])
-def test_a_truncate_and_rewrite_is_a_whole_replacement(first: str) -> None:
+def test_a_truncate_and_rewrite_is_a_whole_replacement_when_rewrites_are_exact(first: str) -> None:
     service = Service()
-    green = service.green({"/image.conf": CONF})
+    green = service.green({"/image.conf": CONF}, rewrites="exact")
     rewriter, editor = two_agents(
         service,
         green,
@@ -459,9 +463,31 @@ def test_a_truncate_and_rewrite_is_a_whole_replacement(first: str) -> None:
     assert conflict["base"] == [0, len(CONF)]
 
 
-def test_a_truncate_op_then_a_write_is_a_whole_replacement_too() -> None:
+@pytest.mark.parametrize("first", ["rewrite", "edit"])
+def test_a_truncate_and_rewrite_is_refined_into_the_edits_that_remain(first: str) -> None:
     service = Service()
     green = service.green({"/image.conf": CONF})
+    rewriter, editor = two_agents(
+        service,
+        green,
+        lambda w: service.call(
+            "write", volume=w, path="/image.conf", data=b"quality=80\ncache=on\n", truncate=True
+        ),
+        lambda w: service.edit(w, "/image.conf", *QUALITY, b"60"),
+    )
+    for work in (rewriter, editor) if first == "rewrite" else (editor, rewriter):
+        assert_accepted(service, work)
+    assert service.read(green, "/image.conf") == b"quality=60\ncache=on\n"
+    version = service.svc.greens[green][-1 if first == "edit" else -2]
+    (edit,) = [c for c in version.originals if isinstance(c, Edit)]
+    # Only "off" -> "on" remains of the rewrite: nothing of "quality=80".
+    assert edit.rewrite and all(17 <= e.start <= e.end <= 20 for e in edit.edits), edit
+    assert apply_edits(CONF, edit.edits) == b"quality=80\ncache=on\n"
+
+
+def test_a_truncate_op_then_a_write_is_a_whole_replacement_too() -> None:
+    service = Service()
+    green = service.green({"/image.conf": CONF}, rewrites="exact")
 
     def rewrite(w: str) -> None:
         service.call("truncate", volume=w, path="/image.conf", size=0)
@@ -610,8 +636,7 @@ CONFLICTS = [
     ("modify vs delete", unlink("/d/f"), edit("/d/f", 0, 1, b"I"), "modify vs delete"),
     ("type replaced", steps(unlink("/x"), lambda s, w: s.call("mkdir", volume=w, path="/x")),
      edit("/x", 0, 1, b"X"), "type replaced"),
-    ("object replaced", steps(unlink("/x"), write("/x", b"x\n")), edit("/x", 0, 1, b"X"),
-     "object replaced"),
+    ("object replaced", rename("/d/f", "/x"), edit("/x", 0, 1, b"X"), "object replaced"),
 ]  # fmt: skip
 
 # In the reverse order the proposal is the removal: kinds as seen from that side.
@@ -642,6 +667,20 @@ def test_namespace_conflicts(
     conflicts = assert_rejected(service, green, loser)
     kinds = {c["kind"] for c in conflicts}
     assert kinds <= ({kind} if order == "ab" else REVERSE_KINDS[kind]), conflicts
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_a_file_removed_and_written_again_at_its_name_is_new_content(order: str) -> None:
+    """How `sed -i` and editors save: a new file at the old name.  It is the old object
+    with new content, so it merges with another agent's edit elsewhere in the file."""
+    service, green, winner, loser = namespace_case(
+        steps(unlink("/x"), write("/x", b"x\nadded\n")), edit("/x", 0, 0, b"top\n"), order
+    )
+    ino = service.svc.volumes[green].resolve("/x")
+    assert_accepted(service, winner)
+    assert_accepted(service, loser)
+    assert service.read(green, "/x") == b"top\nx\nadded\n"
+    assert service.svc.volumes[green].resolve("/x") == ino  # the same object
 
 
 @pytest.mark.parametrize("order", ["ab", "ba"])

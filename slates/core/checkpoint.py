@@ -63,6 +63,7 @@ from slates.core.origin import NEW
 from slates.core.records import Fingerprint, Kind
 from slates.core.volume import (
     MAX_FILE_SIZE,
+    NO_INO_LIMIT,
     ROOT_INO,
     BaseReader,
     Capacity,
@@ -104,6 +105,7 @@ __all__ = ["FORMAT", "VERSION", "LoadedState", "dump_state", "load_state"]
 #           next_ino, referenced_bytes, case_insensitive, epoch, record_gen]
 #   volume = {"name", "root", "base", "bounded", "limit", "closed",
 #             "unique_bytes", "inflight_bytes", "metadata_bytes", "own_mark",
+#             "own_limit", "own_numbers": [ino],
 #             "buffers": [[buffer_id, bytes]],
 #             "next_buffer", "handles": [[ino, count]], "dirty": [ino]}
 #   snapshot = {"name", "id", "root", "base"}
@@ -130,6 +132,8 @@ _VOLUME_KEYS = frozenset(
         "inflight_bytes",
         "metadata_bytes",
         "own_mark",
+        "own_limit",
+        "own_numbers",
         "buffers",
         "next_buffer",
         "handles",
@@ -393,6 +397,8 @@ def dump_state(
                 "inflight_bytes": volume.inflight_bytes,
                 "metadata_bytes": volume.metadata_bytes,
                 "own_mark": volume._own_mark,
+                "own_limit": volume._own_limit,
+                "own_numbers": sorted(volume._own_numbers),
                 "buffers": [[bid, bytes(volume._buffers[bid])] for bid in sorted(volume._buffers)],
                 "next_buffer": volume._next_buffer,
                 "handles": [[ino, volume._handles[ino]] for ino in sorted(volume._handles)],
@@ -487,6 +493,8 @@ class _VolumeSpec:
     inflight_bytes: int
     metadata_bytes: int
     own_mark: int
+    own_limit: int
+    own_numbers: set[int]
     buffers: dict[int, bytearray]
     next_buffer: int
     handles: dict[int, int]
@@ -695,9 +703,12 @@ class _Decoder:
         top = root.inodes.get(ROOT_INO)
         if top is None or not isinstance(top.body, DirBody):
             _bad("a root has no root directory")
+        if root.next_ino in root.inodes:
+            _bad("the next inode number is taken", ino=root.next_ino)
         for inode in root.inodes.values():
-            if inode.ino >= root.next_ino:
-                _bad("an inode number is not below next_ino", ino=inode.ino)
+            # Numbers above next_ino are adopted ones (a green's from its work volumes).
+            if not ROOT_INO <= inode.ino < NO_INO_LIMIT:
+                _bad("an inode number is out of range", ino=inode.ino)
             body = inode.body
             if not isinstance(body, DirBody):
                 continue
@@ -748,6 +759,10 @@ class _Decoder:
             inflight_bytes=_int(d["inflight_bytes"], "in-flight bytes"),
             metadata_bytes=_int(d["metadata_bytes"], "metadata bytes"),
             own_mark=_int(d["own_mark"], "own mark", ROOT_INO, root.next_ino),
+            own_limit=_int(d["own_limit"], "own limit", root.next_ino, NO_INO_LIMIT),
+            own_numbers={
+                _int(ino, "own number", ROOT_INO + 1) for ino in _list(d["own_numbers"], "numbers")
+            },
             buffers=buffers,
             next_buffer=_int(d["next_buffer"], "next buffer", max(buffers, default=0) + 1),
             handles=handles,
@@ -881,6 +896,8 @@ def load_state(blob: bytes, host: Host, open_base: Callable[[str], BaseReader]) 
         volume.inflight_bytes = v.inflight_bytes
         volume.metadata_bytes = v.metadata_bytes
         volume._own_mark = v.own_mark
+        volume._own_limit = v.own_limit
+        volume._own_numbers = v.own_numbers
         volume._buffers = v.buffers
         volume._next_buffer = v.next_buffer
         volume._handles = v.handles

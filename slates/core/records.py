@@ -155,6 +155,7 @@ class Create(Record):
     uid: int
     gid: int
     time_ns: int
+    ino: int = 0  # the number to give the new inode (0: the next free one)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,6 +166,7 @@ class Mkdir(Record):
     uid: int
     gid: int
     time_ns: int
+    ino: int = 0  # the number to give the new inode (0: the next free one)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -175,6 +177,7 @@ class Symlink(Record):
     uid: int
     gid: int
     time_ns: int
+    ino: int = 0  # the number to give the new inode (0: the next free one)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -187,6 +190,7 @@ class Mknod(Record):
     uid: int
     gid: int
     time_ns: int
+    ino: int = 0  # the number to give the new inode (0: the next free one)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

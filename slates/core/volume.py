@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Protocol
 
 import immutables
@@ -104,6 +104,7 @@ from slates.core.records import (
 from slates.errors import (
     AlreadyExists,
     BaseDrift,
+    CapacityExhausted,
     DirectoryNotEmpty,
     FileTooLarge,
     InvalidArgument,
@@ -146,6 +147,7 @@ ROOT_INO = 1
 # Inode numbers stat reports for inodes with no base inode number of their own:
 # tagged above any base file system's numbers, so the two never collide.
 PRIVATE_ST_INO = 1 << 56
+NO_INO_LIMIT = 1 << 52  # volume inode numbers stay below this (st_ino tags lie above)
 CHUNK_SIZE = 64 * 1024
 INODE_COST = 512  # metadata bytes charged per inode a volume creates
 MAX_NAME_BYTES = 255
@@ -154,6 +156,10 @@ MAX_XATTR_NAME = 255
 MAX_XATTR_VALUE = 64 * 1024
 MAX_FILE_SIZE = 1 << 43
 XATTR_NAMESPACES = frozenset({"user", "trusted", "security", "system"})
+# POSIX ACLs live in the mode bits here: storing these as plain xattrs would let a
+# tool (sed -i, cp -p) believe it set permissions that the mode never got, so they
+# are refused (EOPNOTSUPP) and tools fall back to chmod.
+ACL_XATTRS = frozenset({"system.posix_acl_access", "system.posix_acl_default"})
 
 
 class BaseReader(Protocol):
@@ -355,13 +361,15 @@ class _Inodes(Protocol):
 class _Txn:
     """Staged inode changes; `before` keeps each touched inode's original."""
 
-    __slots__ = ("base_ids", "before", "inodes", "next_ino")
+    __slots__ = ("base_ids", "before", "inodes", "limit", "next_ino", "numbered_now")
 
-    def __init__(self, root: Root) -> None:
+    def __init__(self, root: Root, limit: int = 0) -> None:
         self.inodes = root.inodes.mutate()
         self.base_ids = root.base_identities.mutate()
         self.next_ino = root.next_ino
+        self.limit = limit or NO_INO_LIMIT
         self.before: dict[int, Inode | None] = {}
+        self.numbered_now: list[int] = []
 
     def get(self, ino: int) -> Inode:
         inode = self.inodes.get(ino)
@@ -395,7 +403,20 @@ class _Txn:
 
     def new_ino(self) -> int:
         ino = self.next_ino
+        if ino >= self.limit:
+            raise CapacityExhausted("the volume's inode numbers are used up", limit=self.limit)
+        if ino in self.inodes:
+            raise InvalidArgument("the next inode number is taken", ino=ino)
         self.next_ino += 1
+        return ino
+
+    def numbered(self, ino: int) -> int:
+        """A number chosen by the caller (a green adopting its submitter's numbers):
+        never the root's, never one in use; the volume's own counter is unchanged."""
+        _check_count(ino, "inode number")
+        if ino <= ROOT_INO or ino in self.inodes:
+            raise InvalidArgument("that inode number is taken", ino=ino)
+        self.numbered_now.append(ino)
         return ino
 
 
@@ -449,7 +470,11 @@ class Volume:
         self.limit = capacity.limit
         self.unique_bytes = 0
         self.inflight_bytes = 0
-        self._own_mark = root.next_ino  # inodes numbered from here were created here
+        # Inodes numbered in [own_mark, own_limit) by the counter, or adopted with
+        # a chosen number since the last snapshot (own_numbers), were created here.
+        self._own_mark = root.next_ino
+        self._own_limit = NO_INO_LIMIT
+        self._own_numbers: set[int] = set()
         self.metadata_bytes = 0  # metadata of those inodes (inode, xattrs, link target)
         self._buffers: dict[int, bytearray] = {}
         self._next_buffer = 1
@@ -522,15 +547,61 @@ class Volume:
         )
         return cls(host, root, base=snapshot.base, capacity=capacity)
 
-    def adopt_handles(self, previous: Volume) -> None:
-        """Carry the open handles of the volume this one replaces (a green volume's new head).
+    def number_from(self, next_ino: int, limit: int = NO_INO_LIMIT) -> None:
+        """Number this volume's new inodes in [next_ino, limit) (before any record is applied).
 
-        Handles on inodes the new root no longer has are dropped: nothing can
-        reach them any more, and the kernel's forget for them finds nothing.
+        A work volume numbers in a range of its own, so its green can adopt
+        the numbers of what it creates and a mount keeps them across a move
+        onto a new version.  Numbers never go back (they are never reused),
+        and each allocation checks that its number is free.
         """
+        _check_count(next_ino, "inode number")
+        if next_ino < self.root.next_ino or next_ino in self.root.inodes or limit <= next_ino:
+            raise InvalidArgument("the inode numbering start is taken", next_ino=next_ino)
+        self.root = dataclasses.replace(self.root, next_ino=next_ino)
+        self._own_mark = next_ino
+        self._own_limit = limit
+
+    @property
+    def numbering(self) -> tuple[int, int]:
+        """The range this volume numbers its new inodes in: (next number, limit)."""
+        return self.root.next_ino, self._own_limit
+
+    def _is_own(self, ino: int) -> bool:
+        return self._own_mark <= ino < self._own_limit or ino in self._own_numbers
+
+    def adopt_handles(self, previous: Volume, later: Collection[int] = ()) -> None:
+        """Carry the open handles and kernel references of the volume this one replaces.
+
+        An inode the new root no longer has (another version removed it) stays
+        as an unlinked orphan while it is held, as an unlinked-but-open file
+        does: the kernel can still read it and its forget finds it.  Only a
+        sealed inode can move (its content is shared chunks, base ranges or
+        holes); an unsealed one (pages private to `previous`) is dropped.  Numbers
+        in `later` are left alone: the caller makes those objects again and then
+        retains them.
+        """
+        inodes = self.root.inodes.mutate()
+        referenced = self.root.referenced_bytes
         for ino, count in previous._handles.items():
-            if ino in self.root.inodes:
-                self._handles[ino] = count
+            if ino in later:
+                continue
+            if ino not in inodes:
+                old = previous.root.inodes.get(ino)
+                if old is None or _buffer_ids(old):
+                    continue
+                orphan = dataclasses.replace(old, nlink=0)
+                if isinstance(old.body, DirBody):  # its children are not its any more
+                    orphan = dataclasses.replace(
+                        orphan,
+                        body=DirBody(old.body.parent, _EMPTY_ENTRIES, frozenset(), None),
+                    )
+                inodes[ino] = orphan
+                referenced += _referenced(orphan)
+            self._handles[ino] = count
+        self.root = dataclasses.replace(
+            self.root, inodes=inodes.finish(), referenced_bytes=referenced
+        )
 
     def close(self) -> None:
         """Release this volume's pages, metadata charge and quota reservation."""
@@ -594,7 +665,7 @@ class Volume:
     def apply(self, record: Record) -> object:
         """Apply one record; returns its result or raises with no effect."""
         self._require_open()
-        txn = _Txn(self.root)
+        txn = _Txn(self.root, self._own_limit)
         self._fresh.clear()
         match record:
             case BindBase():
@@ -610,6 +681,7 @@ class Volume:
                     record.gid,
                     record.time_ns,
                     FileBody(0, (), None, None),
+                    record.ino,
                 )
             case Mkdir():
                 result = self._add_node(
@@ -622,6 +694,7 @@ class Volume:
                     record.gid,
                     record.time_ns,
                     DirBody(record.parent, _EMPTY_ENTRIES, frozenset(), None),
+                    record.ino,
                 )
             case Symlink():
                 self._check_symlink(record.target)
@@ -635,6 +708,7 @@ class Volume:
                     record.gid,
                     record.time_ns,
                     SymlinkBody(record.target),
+                    record.ino,
                 )
             case Mknod():
                 if record.kind not in (Kind.FIFO, Kind.SOCKET, Kind.CHAR_DEVICE, Kind.BLOCK_DEVICE):
@@ -650,6 +724,7 @@ class Volume:
                     record.gid,
                     record.time_ns,
                     DeviceBody(record.rdev),
+                    record.ino,
                 )
             case Link():
                 result = self._link(txn, record)
@@ -711,6 +786,7 @@ class Volume:
         """Publish staged changes and update every counter from (before, after) pairs."""
         referenced = self.root.referenced_bytes
         unique = self.unique_bytes
+        self._own_numbers.update(txn.numbered_now)
         page_delta = 0
         meta_delta = 0
         dead_buffers: set[int] = set(self._fresh)
@@ -722,7 +798,7 @@ class Volume:
             page_delta += _page_bytes(new) - _page_bytes(old)
             dead_buffers |= _buffer_ids(old)
             live_buffers |= _buffer_ids(new)
-            if ino >= self._own_mark:
+            if self._is_own(ino):
                 meta_delta += _metadata(new) - _metadata(old)
             if new is not None and _buffer_ids(new):
                 self._dirty.add(ino)
@@ -745,11 +821,19 @@ class Volume:
         self.host.charge(page_delta + meta_delta)
 
     def _new_inode(
-        self, txn: _Txn, kind: Kind, mode: int, uid: int, gid: int, time_ns: int, body: Body
+        self,
+        txn: _Txn,
+        kind: Kind,
+        mode: int,
+        uid: int,
+        gid: int,
+        time_ns: int,
+        body: Body,
+        ino: int = 0,
     ) -> Inode:
         nlink = 2 if kind == Kind.DIR else 1
         return Inode(
-            txn.new_ino(),
+            txn.numbered(ino) if ino else txn.new_ino(),
             kind,
             mode & 0o7777,
             uid,
@@ -874,11 +958,12 @@ class Volume:
         gid: int,
         time_ns: int,
         body: Body,
+        ino: int = 0,
     ) -> Attr:
         key = self._free_key(txn, parent, name)
         for value in (mode, uid, gid):
             _check_count(value, "mode and owner")
-        inode = self._new_inode(txn, kind, mode, uid, gid, time_ns, body)
+        inode = self._new_inode(txn, kind, mode, uid, gid, time_ns, body, ino)
         self.host.admit(self, _metadata(inode))
         txn.put(inode)
         self._set_entry(txn, parent, key, Entry(name, inode.ino))
@@ -1240,6 +1325,8 @@ class Volume:
             raise OutOfRange("invalid extended attribute name length")  # Linux: ERANGE
         if r.name.split(".", 1)[0] not in XATTR_NAMESPACES or "." not in r.name:
             raise NotSupported("unsupported extended attribute namespace", name=r.name)
+        if r.name in ACL_XATTRS:
+            raise NotSupported("POSIX ACLs are not supported: set the mode instead", name=r.name)
         if len(r.value) > MAX_XATTR_VALUE:
             raise TooBig("extended attribute value is too large")  # Linux: E2BIG
         if r.flags & ~(XATTR_CREATE | XATTR_REPLACE) or r.flags == XATTR_CREATE | XATTR_REPLACE:
@@ -1252,7 +1339,7 @@ class Volume:
         updated = dataclasses.replace(
             inode, xattrs=inode.xattrs.set(r.name, r.value), ctime_ns=r.time_ns
         )
-        if r.ino >= self._own_mark:
+        if self._is_own(r.ino):
             self.host.admit(self, _metadata(updated) - _metadata(inode))
         txn.put(updated)
 
@@ -1394,6 +1481,7 @@ class Volume:
         self.host.hand_over_metadata(self.metadata_bytes)
         self.metadata_bytes = 0
         self._own_mark = root.next_ino
+        self._own_numbers.clear()
         self.unique_bytes = 0
         self.root = dataclasses.replace(root, epoch=root.epoch + 1)
         return snapshot
@@ -1582,9 +1670,10 @@ class Volume:
         uid: int = 0,
         gid: int = 0,
         time_ns: int = 0,
+        ino: int = 0,
     ) -> Attr:
         self._require_absent(parent, name)
-        return self._attr_result(self.apply(Create(parent, name, mode, uid, gid, time_ns)))
+        return self._attr_result(self.apply(Create(parent, name, mode, uid, gid, time_ns, ino)))
 
     def mkdir(
         self,
@@ -1595,15 +1684,24 @@ class Volume:
         uid: int = 0,
         gid: int = 0,
         time_ns: int = 0,
+        ino: int = 0,
     ) -> Attr:
         self._require_absent(parent, name)
-        return self._attr_result(self.apply(Mkdir(parent, name, mode, uid, gid, time_ns)))
+        return self._attr_result(self.apply(Mkdir(parent, name, mode, uid, gid, time_ns, ino)))
 
     def symlink(
-        self, parent: int, name: str, target: str, *, uid: int = 0, gid: int = 0, time_ns: int = 0
+        self,
+        parent: int,
+        name: str,
+        target: str,
+        *,
+        uid: int = 0,
+        gid: int = 0,
+        time_ns: int = 0,
+        ino: int = 0,
     ) -> Attr:
         self._require_absent(parent, name)
-        return self._attr_result(self.apply(Symlink(parent, name, target, uid, gid, time_ns)))
+        return self._attr_result(self.apply(Symlink(parent, name, target, uid, gid, time_ns, ino)))
 
     def mknod(
         self,
@@ -1616,10 +1714,11 @@ class Volume:
         uid: int = 0,
         gid: int = 0,
         time_ns: int = 0,
+        ino: int = 0,
     ) -> Attr:
         self._require_absent(parent, name)
         return self._attr_result(
-            self.apply(Mknod(parent, name, kind, mode, rdev, uid, gid, time_ns))
+            self.apply(Mknod(parent, name, kind, mode, rdev, uid, gid, time_ns, ino))
         )
 
     def link(self, ino: int, parent: int, name: str, *, time_ns: int = 0) -> Attr:

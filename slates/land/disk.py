@@ -7,8 +7,10 @@ every path component by component with O_NOFOLLOW: a symlink anywhere on
 the way is refused, so no entry can write outside the target.
 
 Every entry is decided by slates.land.manifest.decide against the disk
-*now*, and replaced so that a reader sees the old or the new entry, never
-a torn one: the new content is written to a temporary name beside it and
+*now* (`land_entry` also says why a conflict is one: explain's words, or
+an interrupted save, a write during the swap, a vanished directory), and
+replaced so that a reader sees the old or the new entry, never a torn
+one: the new content is written to a temporary name beside it and
 fsynced, then swapped in with renameat2(RENAME_EXCHANGE) (or
 RENAME_NOREPLACE for a new name), and the directory is fsynced.  The
 entry that comes out of the swap is checked again against the witness: if
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import fcntl
 import os
@@ -42,9 +45,9 @@ from slates.errors import (
     NotFound,
     VerificationFailed,
 )
-from slates.land.manifest import Decision, Entry, State, check_relative, decide
+from slates.land.manifest import Decision, Entry, State, check_relative, explain
 
-__all__ = ["Target", "state_of_bytes", "TEMP_PREFIX", "LEASE_SECONDS"]
+__all__ = ["Applied", "Target", "state_of_bytes", "TEMP_PREFIX", "LEASE_SECONDS"]
 
 TEMP_PREFIX = ".slates-land-"
 LEASE_SECONDS = 30.0
@@ -53,6 +56,25 @@ _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _libc = ctypes.CDLL(None, use_errno=True)
+# Why an entry conflicted, beyond explain's comparison of the disk with the witness.
+INTERRUPTED = (
+    "an interrupted save is at this entry's temporary name (someone's save caught"
+    " mid-swap by a landing that crashed): left alone"
+)
+CHANGED_WHILE_LANDING = (
+    "the disk entry changed while it was being landed (an outside write): their bytes were kept"
+)
+PARENT_GONE = "the directory holding this entry is gone from disk, or is not a directory"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Applied:
+    """What landing one entry did: the decision, the disk state it was decided on, and
+    for a conflict why."""
+
+    decision: Decision
+    disk: State | None
+    reason: str | None
 
 
 def _renameat2(src_dir: int, src: str, dst_dir: int, dst: str, flags: int) -> None:
@@ -233,21 +255,30 @@ class Target:
 
     def apply(self, entry: Entry, content: bytes | None) -> tuple[Decision, State | None]:
         """Land one entry (content: the proposed bytes or link target); returns what happened."""
+        done = self.land_entry(entry, content)
+        return done.decision, done.disk
+
+    def land_entry(self, entry: Entry, content: bytes | None) -> Applied:
+        """`apply`, with the reason for a conflict."""
         try:
             with self._parent(entry.path) as (dir_fd, name):
                 if not self._recover(dir_fd, name, entry):
-                    return Decision.CONFLICT, self._state_at(dir_fd, name)
+                    return Applied(Decision.CONFLICT, self._state_at(dir_fd, name), INTERRUPTED)
                 disk = self._state_at(dir_fd, name)
-                decision = decide(entry.witnessed, disk, entry.proposed)
+                decision, reason = explain(entry.witnessed, disk, entry.proposed)
                 if decision is Decision.APPLY:
                     decision = self._replace(dir_fd, name, entry, content)
                     os.fsync(dir_fd)
                     _failpoint()
-                return decision, disk
+                    if decision is Decision.CONFLICT:
+                        reason = CHANGED_WHILE_LANDING
+                return Applied(decision, disk, reason)
         except _ParentGone:
             # Its directory is gone: the entry is absent, and nothing can be put there.
-            decision = decide(entry.witnessed, None, entry.proposed)
-            return (Decision.CONFLICT if decision is Decision.APPLY else decision), None
+            decision, reason = explain(entry.witnessed, None, entry.proposed)
+            if decision is Decision.APPLY:
+                return Applied(Decision.CONFLICT, None, PARENT_GONE)
+            return Applied(decision, None, reason)
 
     def _temp_name(self, name: str) -> str:
         digest = blake3.blake3(name.encode("utf-8", "surrogateescape")).hexdigest()

@@ -15,6 +15,11 @@ changes the id, and a grant bound to one id approves nothing else.
     disk == witnessed              apply (write the proposal)
     anything else                  conflict (leave the disk entry alone)
 
+`explain` gives the same decision and, for a conflict, why: the disk
+entry vanished, appeared, is of another kind, changed its content
+(BLAKE3 on disk and witnessed) or its mode.  The approval screen, every
+landing outcome and `rewitness --merge` use its words.
+
 Entries are checked as relative paths with no "." or ".." components, so
 a manifest can never name anything outside its target.  Pure: no I/O;
 slates.land.disk performs what this decides; slates.node.service builds
@@ -39,6 +44,7 @@ __all__ = [
     "Manifest",
     "Decision",
     "decide",
+    "explain",
     "check_relative",
     "manifest_from_wire",
     "order_for_apply",
@@ -195,6 +201,49 @@ def decide(witnessed: State | None, disk: State | None, proposed: State | None) 
     if disk == witnessed:
         return Decision.APPLY
     return Decision.CONFLICT
+
+
+_KIND_WORDS = {"file": "a file", "dir": "a directory", "symlink": "a symlink"}
+
+
+def _kind_word(state: State | None) -> str:
+    if state is None:
+        return "nothing"
+    return _KIND_WORDS.get(state.kind, "a fifo, device or socket")
+
+
+def explain(
+    witnessed: State | None, disk: State | None, proposed: State | None
+) -> tuple[Decision, str | None]:
+    """`decide`'s decision and, for a conflict, why the disk no longer matches the witness."""
+    decision = decide(witnessed, disk, proposed)
+    if decision is not Decision.CONFLICT:
+        return decision, None
+    if disk is None:
+        return decision, "the disk entry vanished (removed since the witness)"
+    if disk.kind not in KINDS:
+        return decision, "the disk holds a fifo, device or socket here"
+    if witnessed is None:
+        return decision, (
+            f"the disk has {_kind_word(disk)} here where the witness had nothing"
+            f" (the proposal is {_kind_word(proposed)})"
+        )
+    if disk.kind != witnessed.kind:
+        proposal = "a delete" if proposed is None else _kind_word(proposed)
+        return decision, (
+            f"the disk is {_kind_word(disk)}, the witness {_kind_word(witnessed)}"
+            f" and the proposal {proposal}"
+        )
+    if disk.digest != witnessed.digest:
+        what = "link target" if disk.kind == "symlink" else "content"
+        return decision, (
+            f"the disk's {what} changed since the witness (BLAKE3 {str(disk.digest)[:12]}"
+            f" on disk, {str(witnessed.digest)[:12]} witnessed)"
+        )
+    return decision, (
+        f"the disk's mode changed since the witness ({disk.mode:o} on disk,"
+        f" {witnessed.mode:o} witnessed)"
+    )
 
 
 def order_for_apply(entries: Sequence[Entry]) -> list[Entry]:

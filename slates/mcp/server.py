@@ -18,11 +18,13 @@ anchor serves once the anchor is up, and "no anchor" is a tool error.
 What an agent can do: list and show volumes; create a work volume on a green
 version (by green name or id); read, write and edit files (edit replaces
 bytes [start, end) with new bytes), make directories, remove and rename
-entries, list a directory; submit and rebase (conflicts come back
-structured: path, kind, byte ranges, and the base, accepted and proposed
-bytes); see the ledger (`versions`) and the paths changed since a version;
-request a landing plan (`land_plan`, `land_show`) and read what the target
-directory holds now (`read_base`).
+entries, list a directory; submit (or a dry run of it) and rebase
+(conflicts come back structured: path, kind, byte ranges, and the base,
+accepted and proposed bytes); see the ledger (`versions`) and the paths
+changed since a version; request a landing plan (`land_plan`, `land_show`)
+and read what the target directory holds now (`read_base`).  The result
+shapes, and the rule that argument and result names agree, are in
+slates.mcp.results.
 
 Invariant: nothing here changes the developer's directory.  No tool lands a
 plan or takes part in deciding one: there is no tool that issues or uses a
@@ -38,35 +40,59 @@ Tools that take bytes take `data` with the same `encoding` switch (default
 (one request must fit the client's ring); a failure part way leaves the
 pieces already sent.
 
+Arguments: each tool takes exactly its method's parameters.  The MCP SDK's
+argument models would drop a name they do not know (a misspelt optional
+argument would silently take its default), so `_StrictServer` refuses the
+call first with InvalidArgument naming the unknown and the accepted
+arguments, and every input schema says `additionalProperties: false`.
+
 Errors: a SlatesError becomes an MCP tool error (`isError`) whose text is
 `<code>: <message>` followed by the details as JSON, and whose structured
 content is {"error": {"code", "message", "fault", "details"}}; the server
 keeps serving.  A submit or rebase refused because of conflicts is not an
-error: its result has `ok` false and the conflicts.  Volumes are named by
-id (`vol-<shard>-<n>`, taken as is) or by a name that matches exactly one
-volume (for a green argument, one green volume).
+error: its result has `ok` false and the conflicts.  Volumes are named as
+everywhere in Slates (slates.sdk.names, through `Client.resolve`): an id
+(`vol-<shard>-<n>`) as is, or a name that matches exactly one volume (for
+a green argument one green volume, for submit and rebase one work volume).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 import inspect
-import json
-import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from mcp.server.mcpserver import MCPServer
-from mcp.types import CallToolResult, TextContent, ToolAnnotations
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.tools import Tool
+from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
 from pydantic import Field
-from typing_extensions import TypedDict
 
 from slates import __version__
-from slates.errors import InvalidArgument, NotFound, SlatesError
+from slates.errors import InvalidArgument, SlatesError
+from slates.mcp import results
+from slates.mcp.results import (
+    ChangedPaths,
+    DiskContent,
+    Edited,
+    Encoding,
+    FileContent,
+    LandingPlan,
+    Ledger,
+    Listing,
+    PathDone,
+    RebaseResult,
+    Renamed,
+    SubmitResult,
+    VolumeInfo,
+    VolumeList,
+    Written,
+    blob,
+    decode_data,
+    error_result,
+)
 from slates.sdk import Client
 
 __all__ = [
@@ -92,297 +118,24 @@ A green volume holds the shared versions (v0, v1, ...) of the project.
 Make your own work volume on it with create_work, change files there
 (read_file, write_file, edit_file, make_dir, remove, rename, list_dir),
 then submit: accepted changes become the green volume's next version.
-A submit that overlaps work accepted since your base comes back with
-structured conflicts and changes nothing; rebase moves your volume onto
-the newest version.  Prefer edit_file (replace bytes [start, end)) to
-rewriting whole files: precise edits conflict only where they overlap.
-The developer's directory on disk is never changed by these tools;
-land_plan only describes what a landing would change, and read_base
-shows what the disk holds now.  Acceptance is not a test result.
-Bytes travel as UTF-8 text, or as base64 when they are not UTF-8
-(each result says which in `encoding`)."""
-
-_VOLUME_ID = re.compile(r"vol-\d+-\d+")
-
-Encoding = Literal["utf-8", "base64"]
-
-# -- results ---------------------------------------------------------------------
-
-
-class Blob(TypedDict):
-    """Bytes as text: UTF-8 when they decode, else base64."""
-
-    encoding: Encoding
-    data: str
-
-
-class VolumeInfo(TypedDict):
-    """A volume: its role (green, work or volume), and for a work volume its
-    green volume and the version it is based on (for a green volume, its head)."""
-
-    id: str
-    name: str
-    role: str
-    green: str | None
-    version: int | None
-
-
-class VolumeList(TypedDict):
-    volumes: list[VolumeInfo]
-
-
-class FileContent(TypedDict):
-    """Bytes of a file from `offset`; `length` is the number of bytes returned."""
-
-    volume: str
-    path: str
-    offset: int
-    length: int
-    encoding: Encoding
-    data: str
-
-
-class Written(TypedDict):
-    volume: str
-    path: str
-    written: int
-
-
-class Edited(TypedDict):
-    """`size` is the file's size after the edit."""
-
-    volume: str
-    path: str
-    size: int
-
-
-class Done(TypedDict):
-    volume: str
-    action: str
-    paths: list[str]
-
-
-class DirEntry(TypedDict):
-    name: str
-    kind: str
-
-
-class Listing(TypedDict):
-    volume: str
-    path: str
-    entries: list[DirEntry]
-
-
-class MergeConflict(TypedDict):
-    """One conflict: `base` and `head` are byte ranges [start, end) in the submission's
-    base version and in the accepted `version`; the bytes of the range as they were
-    (base_bytes), as accepted, and as proposed (null where a kind has no bytes)."""
-
-    path: str
-    kind: str
-    version: int | None
-    base: list[int] | None
-    head: list[int] | None
-    base_bytes: Blob | None
-    accepted: Blob | None
-    proposed: Blob | None
-
-
-class MergeResult(TypedDict):
-    """`ok` false: refused because of `conflicts`; nothing changed anywhere."""
-
-    work: str
-    ok: bool
-    version: int | None
-    rebased: bool
-    conflicts: list[MergeConflict]
-
-
-class LedgerVersion(TypedDict):
-    version: int
-    base: int
-    work: str
-    paths: list[str]
-
-
-class Ledger(TypedDict):
-    green: str
-    head: int
-    versions: list[LedgerVersion]
-
-
-class ChangedPaths(TypedDict):
-    green: str
-    since: int
-    paths: list[str]
-
-
-class EntryState(TypedDict):
-    kind: str
-    digest: str | None
-    mode: int
-
-
-class PlanEntry(TypedDict):
-    path: str
-    change: Literal["create", "modify", "delete"]
-    witnessed: EntryState | None
-    proposed: EntryState | None
-
-
-class LandingPlan(TypedDict):
-    """A landing plan (manifest): what writing `source` into `target` would change."""
-
-    manifest: str
-    id: str
-    source: str
-    target: str
-    entries: list[PlanEntry]
-    status: str
-
-
-class DiskContent(TypedDict):
-    """What the plan's target directory holds at `path` now (`exists` false: absent)."""
-
-    manifest: str
-    path: str
-    exists: bool
-    encoding: Encoding
-    data: str
-
-
-PLAN_STATUS = (
-    "requested: nothing was written; whether this lands on disk is decided by a "
-    "person outside this server"
-)
-
-# -- bytes and errors ------------------------------------------------------------
-
-
-def blob(data: bytes) -> Blob:
-    """Bytes as text: the UTF-8 text when they decode, else base64."""
-    try:
-        return {"encoding": "utf-8", "data": data.decode("utf-8")}
-    except UnicodeDecodeError:
-        return {"encoding": "base64", "data": base64.b64encode(data).decode("ascii")}
-
-
-def _maybe_blob(data: Any) -> Blob | None:
-    return None if data is None else blob(bytes(data))
-
-
-def decode_data(data: str, encoding: str) -> bytes:
-    """A tool's `data` argument as bytes; InvalidArgument for bad base64 or encodings."""
-    if encoding == "utf-8":
-        try:
-            return data.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidArgument("data is not valid UTF-8 text (lone surrogates)") from None
-    if encoding == "base64":
-        try:
-            return base64.b64decode(data.encode("ascii"), validate=True)
-        except (binascii.Error, UnicodeEncodeError, ValueError):
-            raise InvalidArgument("data is not valid base64") from None
-    raise InvalidArgument("encoding is utf-8 or base64", encoding=encoding)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, bytes | bytearray | memoryview):
-        return blob(bytes(value))
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    return str(value)
-
-
-def error_result(error: SlatesError) -> CallToolResult:
-    """A SlatesError as an MCP tool error: `<code>: <message> <details>`, and structured."""
-    details = _jsonable(error.details)
-    text = f"{error.code}: {error.message}"
-    if details:
-        text += " " + json.dumps(details, sort_keys=True)
-    return CallToolResult(
-        content=[TextContent(type="text", text=text)],
-        structured_content={
-            "error": {
-                "code": error.code,
-                "message": error.message,
-                "fault": error.fault,
-                "details": details,
-            }
-        },
-        is_error=True,
-    )
+submit with dry_run=true shows the paths a submission would carry and
+makes no version; each submit result's `status` says whether a version
+was made.  A submit that overlaps work accepted since your base comes
+back with structured conflicts and changes nothing; rebase moves your
+volume onto the newest version.  Prefer edit_file (replace bytes
+[start, end)) to rewriting whole files: precise edits conflict only
+where they overlap.  The developer's directory on disk is never changed
+by these tools; land_plan only describes what a landing would change,
+and read_base shows what the disk holds now.  Acceptance is not a test
+result.  Bytes travel as UTF-8 text, or as base64 when they are not
+UTF-8 (each result says which in `encoding`).  Byte ranges are
+offset/length (read_file, write_file) or start/end (edit_file); size is
+a file's size.  A tool refuses arguments it does not take."""
 
 
 def _path(path: str) -> str:
     """Paths inside a volume are absolute; "src/a.c" means "/src/a.c"."""
     return path if path.startswith("/") else "/" + path
-
-
-def _volume_info(info: dict[str, Any]) -> VolumeInfo:
-    green = info.get("green")
-    version = info.get("version")
-    return {
-        "id": str(info["id"]),
-        "name": str(info["name"]),
-        "role": str(info.get("role", "volume")),
-        "green": None if green is None else str(green),
-        "version": None if version is None else int(version),
-    }
-
-
-def _span(raw: Any) -> list[int] | None:
-    return None if raw is None else [int(x) for x in raw]
-
-
-def _conflict(raw: dict[str, Any]) -> MergeConflict:
-    version = raw.get("version")
-    return {
-        "path": str(raw["path"]),
-        "kind": str(raw["kind"]),
-        "version": None if version is None else int(version),
-        "base": _span(raw.get("base")),
-        "head": _span(raw.get("head")),
-        "base_bytes": _maybe_blob(raw.get("base_bytes")),
-        "accepted": _maybe_blob(raw.get("accepted")),
-        "proposed": _maybe_blob(raw.get("proposed")),
-    }
-
-
-def _state(raw: Any) -> EntryState | None:
-    if raw is None:
-        return None
-    kind, digest, mode = raw
-    return {"kind": str(kind), "digest": None if digest is None else str(digest), "mode": int(mode)}
-
-
-def _plan(raw: dict[str, Any]) -> LandingPlan:
-    entries: list[PlanEntry] = []
-    for entry in raw["entries"]:
-        witnessed, proposed = _state(entry["witnessed"]), _state(entry["proposed"])
-        change: Literal["create", "modify", "delete"] = (
-            "create" if witnessed is None else "delete" if proposed is None else "modify"
-        )
-        entries.append(
-            {
-                "path": str(entry["path"]),
-                "change": change,
-                "witnessed": witnessed,
-                "proposed": proposed,
-            }
-        )
-    return {
-        "manifest": str(raw["manifest"]),
-        "id": str(raw["id"]),
-        "source": str(raw["source"]),
-        "target": str(raw["target"]),
-        "entries": entries,
-        "status": PLAN_STATUS,
-    }
 
 
 # -- argument types (their descriptions reach the agent in the input schemas) ----------
@@ -427,37 +180,17 @@ class SlatesTools:
         if client is not None:
             client.close()
 
-    def resolve(self, ref: str, role: str | None = None) -> str:
-        """A volume id for `ref`: an id as is, else the one volume (of `role`) so named."""
-        if _VOLUME_ID.fullmatch(ref):
-            return ref
-        volumes: list[dict[str, Any]] = self.client.list_volumes()
-        named = [v for v in volumes if v["name"] == ref]
-        if role is not None and any(v.get("role") == role for v in named):
-            named = [v for v in named if v.get("role") == role]
-        if not named:
-            raise NotFound(f"no volume has the id or name {ref!r}", volume=ref)
-        if len(named) > 1:
-            ids = [str(v["id"]) for v in named]
-            raise InvalidArgument(
-                f"{len(ids)} volumes are named {ref!r} ({', '.join(ids)}); use an id",
-                name=ref,
-                ids=ids,
-            )
-        return str(named[0]["id"])
-
     # -- volumes --------------------------------------------------------------------
 
     def list_volumes(self) -> VolumeList:
         """List every volume: id, name, role (green, work or volume), and for a work
         volume its green volume and base version (for a green volume, its head)."""
-        volumes: list[dict[str, Any]] = self.client.list_volumes()
-        return {"volumes": [_volume_info(v) for v in volumes]}
+        volumes = self.client.list_volumes()
+        return {"volumes": [results.volume_info(v) for v in volumes]}
 
     def show_volume(self, volume: VolumeRef) -> VolumeInfo:
         """Show one volume: role, green volume and version (a work volume's base version)."""
-        info: dict[str, Any] = self.client.show_volume(self.resolve(volume))
-        return _volume_info(info)
+        return results.volume_info(self.client.show_volume(self.client.resolve(volume)))
 
     def create_work(
         self,
@@ -471,10 +204,8 @@ class SlatesTools:
         """Create your own work volume on a version of a green volume (the head by
         default).  Nothing is copied; your changes stay private until you submit.
         Returns the work volume's id and `version`, the version it is based on."""
-        info: dict[str, Any] = self.client.create_work(
-            self.resolve(green, "green"), name, version=version
-        )
-        return _volume_info(info)
+        info = self.client.create_work(self.client.resolve(green, "green"), name, version=version)
+        return results.volume_info(info)
 
     # -- files ------------------------------------------------------------------------
 
@@ -483,15 +214,16 @@ class SlatesTools:
         volume: VolumeRef,
         path: VolumePath,
         offset: Offset = 0,
-        size: Annotated[
+        length: Annotated[
             int | None, Field(ge=0, description="Most bytes to read (default: to the end).")
         ] = None,
     ) -> FileContent:
-        """Read a file (a green volume reads its head).  The bytes come back as UTF-8
-        text with encoding "utf-8" when they decode, else base64 with encoding
-        "base64"; `length` counts bytes, not characters."""
-        vid, where = self.resolve(volume), _path(path)
-        data: bytes = self.client.read(vid, where, offset, size)
+        """Read `length` bytes of a file from `offset` (a green volume reads its head).
+        The bytes come back as UTF-8 text with encoding "utf-8" when they decode,
+        else base64 with encoding "base64"; the result's `length` counts the bytes
+        returned (fewer at the end of the file), not characters."""
+        vid, where = self.client.resolve(volume), _path(path)
+        data = self.client.read(vid, where, offset, length)
         content = blob(data)
         return {
             "volume": vid,
@@ -514,24 +246,24 @@ class SlatesTools:
             Field(description="Empty the file first (replace its whole content)."),
         ] = False,
     ) -> Written:
-        """Write bytes into a file at `offset`, creating the file when absent.
-        Without truncate, bytes past the written range stay as they were; with
-        truncate=true the file is emptied first, which rewrites the whole file
-        (and conflicts with any other change to it at submit).  To change part of
-        an existing file prefer edit_file.  `data` is UTF-8 text, or base64 with
-        encoding="base64"."""
-        vid, where = self.resolve(volume), _path(path)
+        """Write bytes into a file at `offset`, creating the file when absent; the
+        result's `length` is the number of bytes written.  Without truncate, bytes
+        past the written range stay as they were; with truncate=true the file is
+        emptied first, which rewrites the whole file (and conflicts with any other
+        change to it at submit).  To change part of an existing file prefer
+        edit_file.  `data` is UTF-8 text, or base64 with encoding="base64"."""
+        vid, where = self.client.resolve(volume), _path(path)
         payload = decode_data(data, encoding)
         written = 0
         while True:
             piece = payload[written : written + CHUNK]
-            count: int = self.client.write(
+            count = self.client.write(
                 vid, where, piece, offset + written, truncate=truncate and written == 0
             )
             written += count
             if written >= len(payload) or count == 0:
                 break
-        return {"volume": vid, "path": where, "written": written}
+        return {"volume": vid, "path": where, "offset": offset, "length": written}
 
     def edit_file(
         self,
@@ -544,89 +276,87 @@ class SlatesTools:
     ) -> Edited:
         """Replace bytes [start, end) of a file with `data`, moving what follows
         (insert: start == end; delete: empty data).  A new file is created by an
-        edit at [0, 0).  Offsets count bytes, not characters.  Returns the file's
-        new size.  Precise edits conflict at submit only where they overlap
-        another accepted change."""
-        vid, where = self.resolve(volume), _path(path)
+        edit at [0, 0).  Offsets count bytes, not characters.  Returns the range
+        replaced, the `length` in bytes of what replaced it, and the file's new
+        `size`.  Precise edits conflict at submit only where they overlap another
+        accepted change."""
+        vid, where = self.client.resolve(volume), _path(path)
         payload = decode_data(data, encoding)
-        size: int = self.client.edit(vid, where, start, end, payload[:CHUNK])
+        size = self.client.edit(vid, where, start, end, payload[:CHUNK])
         at = start + min(len(payload), CHUNK)
         for cut in range(CHUNK, len(payload), CHUNK):
             piece = payload[cut : cut + CHUNK]
             size = self.client.edit(vid, where, at, at, piece)
             at += len(piece)
-        return {"volume": vid, "path": where, "size": size}
+        return {
+            "volume": vid,
+            "path": where,
+            "start": start,
+            "end": end,
+            "length": len(payload),
+            "size": size,
+        }
 
-    def make_dir(self, volume: WorkRef, path: VolumePath) -> Done:
+    def make_dir(self, volume: WorkRef, path: VolumePath) -> PathDone:
         """Make a directory (its parent must exist)."""
-        vid, where = self.resolve(volume), _path(path)
+        vid, where = self.client.resolve(volume), _path(path)
         self.client.mkdir(vid, where)
-        return {"volume": vid, "action": "made directory", "paths": [where]}
+        return {"volume": vid, "path": where, "action": "made directory"}
 
-    def remove(self, volume: WorkRef, path: VolumePath) -> Done:
+    def remove(self, volume: WorkRef, path: VolumePath) -> PathDone:
         """Remove a file, a symbolic link or an empty directory."""
-        vid, where = self.resolve(volume), _path(path)
-        info: dict[str, Any] = self.client.stat(vid, where)
-        if info.get("kind") == "dir":
+        vid, where = self.client.resolve(volume), _path(path)
+        if self.client.stat(vid, where).get("kind") == "dir":
             self.client.rmdir(vid, where)
         else:
             self.client.unlink(vid, where)
-        return {"volume": vid, "action": "removed", "paths": [where]}
+        return {"volume": vid, "path": where, "action": "removed"}
 
     def rename(
         self,
         volume: WorkRef,
         source: Annotated[str, Field(description="The path to move.")],
         destination: Annotated[str, Field(description="Its new path (replaced if present).")],
-    ) -> Done:
+    ) -> Renamed:
         """Rename (move) a file or directory inside the volume."""
-        vid, src, dst = self.resolve(volume), _path(source), _path(destination)
+        vid, src, dst = self.client.resolve(volume), _path(source), _path(destination)
         self.client.rename(vid, src, dst)
-        return {"volume": vid, "action": "renamed", "paths": [src, dst]}
+        return {"volume": vid, "source": src, "destination": dst, "action": "renamed"}
 
     def list_dir(self, volume: VolumeRef, path: VolumePath = "/") -> Listing:
         """List a directory: each entry's name and kind (file, dir, symlink, ...)."""
-        vid, where = self.resolve(volume), _path(path)
-        entries: list[dict[str, Any]] = self.client.list(vid, where)
-        return {
-            "volume": vid,
-            "path": where,
-            "entries": [{"name": str(e["name"]), "kind": str(e["kind"])} for e in entries],
-        }
+        vid, where = self.client.resolve(volume), _path(path)
+        return results.listing(vid, where, self.client.list(vid, where))
 
     # -- submit, rebase, versions -------------------------------------------------------
 
-    def submit(self, work: WorkRef) -> MergeResult:
-        """Offer your work volume's changes to its green volume.  Accepted (ok true):
-        they become the new head `version` and your volume moves onto it.  Refused
-        (ok false): `conflicts` lists each overlap with work accepted since your base
-        (path, kind, byte ranges, and the base, accepted and proposed bytes); nothing
-        changed anywhere and your volume keeps its edits: fix them, or rebase.
-        Acceptance is not a test result."""
-        vid = self.resolve(work)
-        result: dict[str, Any] = self.client.submit(vid)
-        return {
-            "work": vid,
-            "ok": bool(result["ok"]),
-            "version": None if result.get("version") is None else int(result["version"]),
-            "rebased": bool(result.get("rebased", False)),
-            "conflicts": [_conflict(c) for c in result.get("conflicts", [])],
-        }
+    def submit(
+        self,
+        work: WorkRef,
+        dry_run: Annotated[
+            bool,
+            Field(description="Only report what would be submitted (`paths`); make no version."),
+        ] = False,
+    ) -> SubmitResult:
+        """Offer your work volume's changes to its green volume; `status` says in
+        words what happened.  Accepted (made_version true): they become the new head
+        `version` and your volume moves onto it.  Nothing changed (nothing true):
+        no version is made.  Refused (ok false): `conflicts` lists each overlap with
+        work accepted since your base (path, kind, byte ranges, and the base,
+        accepted and proposed bytes); nothing changed anywhere and your volume keeps
+        its edits: fix them, or rebase.  `paths` are the submitted paths and
+        `private` counts changed paths that stay private (under .git/ or ignored).
+        dry_run=true only reports: no version is made.  Acceptance is not a test
+        result."""
+        vid = self.client.resolve(work, "work")
+        return results.submit_result(vid, self.client.submit(vid, dry_run=dry_run))
 
-    def rebase(self, work: WorkRef) -> MergeResult:
+    def rebase(self, work: WorkRef) -> RebaseResult:
         """Move your work volume onto its green volume's head, keeping your changes;
         publishes nothing (submit does).  Refused because of conflicts (ok false),
         the volume is unchanged and `conflicts` says why, as for submit."""
-        vid = self.resolve(work)
-        result: dict[str, Any] = self.client.rebase(vid)
-        ok = bool(result["ok"])
-        return {
-            "work": vid,
-            "ok": ok,
-            "version": None if result.get("version") is None else int(result["version"]),
-            "rebased": ok,
-            "conflicts": [_conflict(c) for c in result.get("conflicts", [])],
-        }
+        vid = self.client.resolve(work, "work")
+        return results.rebase_result(vid, self.client.rebase(vid))
 
     def versions(
         self,
@@ -636,21 +366,8 @@ class SlatesTools:
         """The green volume's ledger: the head version, and for each of the last
         versions the version it was based on, the work volume that submitted it and
         the paths it changed."""
-        gid = self.resolve(green, "green")
-        ledger: dict[str, Any] = self.client.ledger(gid, limit=limit)
-        return {
-            "green": str(ledger["green"]),
-            "head": int(ledger["head"]),
-            "versions": [
-                {
-                    "version": int(v["version"]),
-                    "base": int(v["base"]),
-                    "work": str(v["work"]),
-                    "paths": [str(p) for p in v["paths"]],
-                }
-                for v in ledger["versions"]
-            ],
-        }
+        gid = self.client.resolve(green, "green")
+        return results.ledger(self.client.ledger(gid, limit=limit))
 
     def changed_since(
         self,
@@ -658,9 +375,8 @@ class SlatesTools:
         version: Annotated[int, Field(ge=0, description="The version to compare from.")],
     ) -> ChangedPaths:
         """The paths changed by the green volume's versions after `version`."""
-        gid = self.resolve(green, "green")
-        paths: list[str] = self.client.changed_since(gid, version)
-        return {"green": gid, "since": version, "paths": paths}
+        gid = self.client.resolve(green, "green")
+        return {"green": gid, "version": version, "paths": self.client.changed_since(gid, version)}
 
     # -- landing (requesting and reading only) ----------------------------------------
 
@@ -681,18 +397,17 @@ class SlatesTools:
         """Request a landing plan: the manifest of what writing a green version (or
         a work volume, as it is now) into the target directory would change, entry
         by entry (path, create/modify/delete, the witnessed and proposed kind,
-        BLAKE3 digest and mode).  Nothing is written: whether a plan lands on disk
-        is decided by a person outside this server, and no tool here lands it."""
+        BLAKE3 digest and mode); `source` is the snapshot holding the proposed
+        content.  Nothing is written: whether a plan lands on disk is decided by a
+        person outside this server, and no tool here lands it."""
         if not Path(target).is_absolute():
             raise InvalidArgument("the target is an absolute directory path", target=target)
-        vid = self.resolve(volume)
-        plan: dict[str, Any] = self.client.land_plan(vid, target, paths=paths, version=version)
-        return _plan(plan)
+        vid = self.client.resolve(volume)
+        return results.plan(self.client.land_plan(vid, target, paths=paths, version=version))
 
     def land_show(self, manifest: ManifestRef) -> LandingPlan:
         """Show a landing plan requested earlier (by its manifest reference)."""
-        plan: dict[str, Any] = self.client.land_show(manifest)
-        return _plan(plan)
+        return results.plan(self.client.land_show(manifest))
 
     def read_base(
         self,
@@ -700,13 +415,15 @@ class SlatesTools:
         path: Annotated[str, Field(description="A path in the plan's target directory.")],
     ) -> DiskContent:
         """Read what the plan's target directory on disk holds at `path` now
-        (exists false when absent), as UTF-8 text or base64 like read_file."""
-        data: bytes | None = self.client.read_base(manifest, path)
+        (exists false when absent), as UTF-8 text or base64 like read_file;
+        `length` counts the bytes."""
+        data = self.client.read_base(manifest, path)
         content = blob(b"" if data is None else data)
         return {
             "manifest": manifest,
             "path": path,
             "exists": data is not None,
+            "length": 0 if data is None else len(data),
             "encoding": content["encoding"],
             "data": content["data"],
         }
@@ -755,25 +472,73 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def build_server(tools: SlatesTools) -> MCPServer[Any]:
-    """An MCPServer offering `tools` (see TOOLS); it does not open the client."""
-    server: MCPServer[Any] = MCPServer(
-        SERVER_NAME,
-        title="Slates",
-        instructions=INSTRUCTIONS,
-        version=__version__,
-        log_level="WARNING",
+def accepted_arguments(method: Callable[..., Any]) -> tuple[str, ...]:
+    """The argument names a tool takes (its method's parameters), in order."""
+    return tuple(inspect.signature(method).parameters)
+
+
+def unknown_arguments(tool: str, accepted: tuple[str, ...], given: list[str]) -> InvalidArgument:
+    """The error for arguments a tool does not take: names them and the accepted ones."""
+    unknown = [name for name in given if name not in accepted]
+    plural = "s" if len(unknown) > 1 else ""
+    takes = ", ".join(accepted) if accepted else "no arguments"
+    return InvalidArgument(
+        f"{tool} does not take the argument{plural} {', '.join(unknown)}; it takes {takes}",
+        tool=tool,
+        unknown=unknown,
+        accepted=list(accepted),
     )
+
+
+class _StrictServer(MCPServer[Any]):
+    """An MCPServer whose tools refuse arguments they do not take.
+
+    The SDK's argument models ignore unknown names, so a misspelt optional
+    argument (say `size` for `length`) would silently fall back to its default;
+    here it is an InvalidArgument tool error naming it and the accepted ones.
+    """
+
+    def __init__(self, accepted: dict[str, tuple[str, ...]], **options: Any) -> None:
+        super().__init__(**options)
+        self._accepted = accepted
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
+    ) -> CallToolResult | InputRequiredResult:
+        accepted = self._accepted.get(name)
+        if accepted is not None and not set(arguments) <= set(accepted):
+            return error_result(unknown_arguments(name, accepted, list(arguments)))
+        return await super().call_tool(name, arguments, context)
+
+
+def build_server(tools: SlatesTools) -> MCPServer[Any]:
+    """An MCPServer offering `tools` (see TOOLS); it does not open the client.
+
+    Each tool's input schema says `additionalProperties: false`, and the server
+    enforces it (_StrictServer)."""
+    registered: list[Tool] = []
+    accepted: dict[str, tuple[str, ...]] = {}
     for name, hints in TOOLS.items():
         method: Callable[..., Any] = getattr(tools, name)
-        server.add_tool(
+        tool = Tool.from_function(
             _guarded(method),
             name=name,
             description=inspect.cleandoc(method.__doc__ or ""),
             annotations=hints,
             structured_output=True,
         )
-    return server
+        tool.parameters = {**tool.parameters, "additionalProperties": False}
+        registered.append(tool)
+        accepted[name] = accepted_arguments(method)
+    return _StrictServer(
+        accepted,
+        name=SERVER_NAME,
+        title="Slates",
+        instructions=INSTRUCTIONS,
+        version=__version__,
+        log_level="WARNING",
+        tools=registered,
+    )
 
 
 def run_stdio(runtime_dir: str | Path | None = None) -> None:

@@ -70,6 +70,8 @@ class Edit:
     ino: int
     path: str
     edits: tuple[Replace, ...]
+    # Refined from a whole-file rewrite (slates.merge.submission), not recorded as such.
+    rewrite: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -153,6 +155,7 @@ class Conflict:
     proposed: bytes | None = None
     base_bytes: bytes | None = None
     ino: int = 0
+    rewrite: bool = False  # one side's edits were refined from a whole-file rewrite
 
 
 # -- checking and mapping --------------------------------------------------------
@@ -201,6 +204,8 @@ def _replaced_kind(accepted: _Accepted, removal: Remove) -> str:
     other = accepted.names.get((removal.parent, removal.name))
     if isinstance(other, Add):
         return "type replaced" if other.kind != removal.kind else "object replaced"
+    if isinstance(other, Move | Link):  # another existing object took its name
+        return "object replaced"
     return "modify vs delete"
 
 
@@ -273,6 +278,7 @@ def map_through(
                         head=clash.head,
                         accepted=clash.accepted,
                         proposed=clash.proposed,
+                        rewrite=change.rewrite or theirs.rewrite,
                     )
                 if not clashes and edits:
                     mapped.append(dataclasses.replace(change, edits=edits))
@@ -399,16 +405,17 @@ def map_edits_pairwise(
         if not isinstance(change, Edit):
             mapped.append(change)
             continue
+        accepted_edits = [
+            other
+            for sibling in siblings
+            for other in sibling
+            if isinstance(other, Edit) and other.ino == change.ino
+        ]
         theirs = sorted(
-            {
-                edit
-                for sibling in siblings
-                for other in sibling
-                if isinstance(other, Edit) and other.ino == change.ino
-                for edit in other.edits
-            },
+            {edit for other in accepted_edits for edit in other.edits},
             key=lambda e: (e.start, e.end),
         )
+        rewrite = change.rewrite or any(other.rewrite for other in accepted_edits)
         if not theirs:
             mapped.append(change)
             continue
@@ -431,6 +438,7 @@ def map_edits_pairwise(
                         accepted=other.data,
                         proposed=edit.data,
                         ino=change.ino,
+                        rewrite=rewrite,
                     )
                 )
             if not clashing:
@@ -473,7 +481,7 @@ def changes_to_wire(changes: Iterable[Change]) -> list[list[Any]]:
         match change:
             case Edit():
                 edits = [[e.start, e.end, e.data] for e in change.edits]
-                out.append(["edit", change.ino, change.path, edits])
+                out.append(["edit", change.ino, change.path, edits, change.rewrite])
             case Meta():
                 out.append(
                     [
@@ -577,14 +585,14 @@ def changes_from_wire(raw: Any) -> tuple[Change, ...]:
     out: list[Change] = []
     for item in raw:
         match item:
-            case ["edit", ino, path, list(edits)]:
+            case ["edit", ino, path, list(edits), bool(rewrite)]:
                 replaces = []
                 for e in edits:
                     if not (isinstance(e, list) and len(e) == 3 and isinstance(e[2], bytes)):
                         raise InvalidArgument("a malformed edit in a change")
                     replaces.append(Replace(_number(e[0]), _number(e[1]), e[2]))
                 check_edits(replaces)
-                out.append(Edit(_number(ino), _path(path), tuple(replaces)))
+                out.append(Edit(_number(ino), _path(path), tuple(replaces), rewrite))
             case ["meta", ino, path, mode, xattrs, owner]:
                 if owner is not None and not (isinstance(owner, list) and len(owner) == 2):
                     raise InvalidArgument("a malformed owner in a change")
@@ -644,4 +652,5 @@ def conflict_to_wire(conflict: Conflict) -> dict[str, Any]:
         "base_bytes": conflict.base_bytes,
         "accepted": conflict.accepted,
         "proposed": conflict.proposed,
+        "rewrite": conflict.rewrite,
     }

@@ -11,7 +11,11 @@ the whole file is what changed.
 
 `apply` performs changes on a volume (a fresh clone of the head) through
 the volume's ordinary operations, so they are journaled records like any
-other, and returns them as an increment in the volume's own numbers.
+other, and returns them as an increment in the volume's own numbers.  A new
+object keeps the number its author gave it (its key is minus that number):
+work volumes number in ranges of their own, so numbers never collide, and
+a mount keeps every inode number it holds when its volume moves onto the
+version it made.
 Order matters for names: removals and moves out of the way first, new
 directories parent-first, then moves into place, new files and links,
 and finally content and attributes.
@@ -45,7 +49,15 @@ from slates.errors import InvalidArgument, NotFound, NotSupported
 from slates.merge.changes import Add, Change, Conflict, Edit, Link, Meta, Move, Remove
 from slates.merge.ranges import Replace
 
-__all__ = ["diff", "apply", "changed_since", "path_index", "Reader", "ApplyConflict"]
+__all__ = [
+    "diff",
+    "apply",
+    "changed_since",
+    "changed_entries",
+    "path_index",
+    "Reader",
+    "ApplyConflict",
+]
 
 Reader = Callable[[int, int, int], bytes]  # (ino, offset, size) -> bytes of the work volume
 _NO_ENTRIES: immutables.Map[str, Entry] = immutables.Map()
@@ -67,6 +79,25 @@ def changed_since(earlier: Root, later: Root) -> bool:
         if earlier.inodes.get(ino) is not inode and inode.nlink > 0:
             return True
     return any(ino not in later.inodes for ino in earlier.inodes)
+
+
+def changed_entries(earlier: Root, later: Root) -> list[list[object]]:
+    """What a kernel caching `earlier` must forget to see `later` (one pass of pointer
+    comparisons): ["inode", ino] for every inode that differs, ["entry", dir, name] for
+    every directory entry that differs."""
+    notes: list[list[object]] = []
+    changed = [ino for ino, inode in later.inodes.items() if earlier.inodes.get(ino) is not inode]
+    changed += [ino for ino in earlier.inodes if ino not in later.inodes]
+    for ino in changed:
+        notes.append(["inode", ino])
+        old, new = _entries(earlier.inodes.get(ino)), _entries(later.inodes.get(ino))
+        if old is new:
+            continue
+        for key in set(old.keys()) | set(new.keys()):
+            was, now = old.get(key), new.get(key)
+            if was != now:
+                notes.append(["entry", ino, (was or now).name])  # type: ignore[union-attr]
+    return notes
 
 
 def path_index(root: Root) -> dict[int, str]:
@@ -240,17 +271,27 @@ def _staging_names(volume: Volume, count: int) -> list[str]:
     return names
 
 
-def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Change, ...]:
+def apply(
+    volume: Volume,
+    changes: Iterable[Change],
+    time_ns: int,
+    times: Callable[[int], tuple[int, int] | None] | None = None,
+) -> tuple[Change, ...]:
     """Perform `changes` on `volume`; returns them in the volume's own inode numbers.
 
-    Raises (and the caller discards the volume) if any step fails: a refused
-    quota, or ApplyConflict for what only the head can show.
+    `times(ino)` gives (atime, mtime) for an object whose times are kept (a work
+    volume's private build outputs when it moves onto a new version, so make's
+    view of them stays true); everything else is stamped `time_ns`.  Raises
+    (and the caller discards the volume) if any step fails: a refused quota, or
+    ApplyConflict for what only the head can show.
     """
     changes = list(changes)
     created: dict[int, int] = {}
 
     def real(ref: int) -> int:
-        return created[ref] if ref < 0 else ref
+        # A new object made by an earlier apply (a work volume's public changes
+        # accepted before its private ones are put back) kept its author's number.
+        return created.get(ref, -ref) if ref < 0 else ref
 
     def require(ino: int, path: str, kind: str) -> None:
         inode = volume.root.inodes.get(ino)
@@ -279,7 +320,7 @@ def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Chan
     applied: list[Change] = []
     for add in adds:
         if add.kind == Kind.DIR:
-            attr = volume.mkdir(real(add.parent), add.name, add.mode, time_ns=time_ns)
+            attr = volume.mkdir(real(add.parent), add.name, add.mode, time_ns=time_ns, ino=-add.key)
             created[add.key] = attr.ino
     for move, temp in zip(moves, staged, strict=True):
         try:
@@ -305,16 +346,18 @@ def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Chan
             case Kind.DIR:
                 pass
             case Kind.FILE:
-                ino = volume.create(parent, add.name, add.mode, time_ns=time_ns).ino
+                ino = volume.create(parent, add.name, add.mode, time_ns=time_ns, ino=-add.key).ino
                 if add.data:
                     volume.write(ino, 0, add.data, time_ns=time_ns)
                 created[add.key] = ino
             case Kind.SYMLINK:
                 target = add.data.decode("utf-8", "surrogateescape")
-                created[add.key] = volume.symlink(parent, add.name, target, time_ns=time_ns).ino
+                created[add.key] = volume.symlink(
+                    parent, add.name, target, time_ns=time_ns, ino=-add.key
+                ).ino
             case _:
                 created[add.key] = volume.mknod(
-                    parent, add.name, add.kind, add.mode, time_ns=time_ns
+                    parent, add.name, add.kind, add.mode, time_ns=time_ns, ino=-add.key
                 ).ino
         for name, value in add.xattrs:
             volume.setxattr(created[add.key], name, value, time_ns=time_ns)
@@ -348,4 +391,10 @@ def apply(volume: Volume, changes: Iterable[Change], time_ns: int) -> tuple[Chan
                 applied.append(change)
             case Remove():
                 applied.append(change)
+    if times is not None:
+        for change in applied:
+            ino = change.key if isinstance(change, Add) else change.ino
+            kept = times(ino) if isinstance(change, Add | Edit | Meta) else None
+            if kept is not None:
+                volume.setattr(ino, atime_ns=kept[0], mtime_ns=kept[1], time_ns=time_ns)
     return tuple(applied)

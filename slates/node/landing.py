@@ -16,10 +16,27 @@ used once: `apply` marks it used when its landing is committed;
 a landing cut short by a crash leaves the grant unused, and the retry
 finishes the remaining entries (the finished ones are then identical).
 
-Events (journaled by the service): ["plan", manifest wire],
-["grant", token, manifest id], ["grant_used", token].  Plans and grants
-are bounded (MAX_PLANS, oldest dropped).  Disk work goes through
-slates.land.disk; everything else here is bookkeeping.
+Merged content.  `rewitness --merge` proposes bytes that exist in no
+snapshot (the agents' change merged with the developer's outside edit),
+and witnesses the disk's bytes of that moment (the base of a later
+merge).  The desk holds such content keyed by its BLAKE3 for the
+manifests that name it (slates.land.held; `content` reads it): the
+proposal of an entry is looked up there first, and a landing writes
+exactly those bytes (the disk layer checks them against the approved
+hash again).  Held content comes with its plan event, so the journal and
+checkpoints keep it across a shard restart; a plan registered later that
+names the same hash (a plain rewitness of a merged manifest) holds it
+too, and a blob is kept while some plan holds it.  The store is bounded
+(MAX_HELD_BLOBS, MAX_HELD_BYTES): beyond it the oldest plans that hold
+content are dropped with their grants (their ids then give NotFound, as
+for any plan dropped by MAX_PLANS), and one merge that alone exceeds the
+bounds is refused (CapacityExhausted) before it is journaled.
+
+Events (journaled by the service): ["plan", manifest wire] or ["plan",
+{"manifest": wire, "held": {BLAKE3: bytes}}], ["grant", token, manifest
+id], ["grant_used", token].  Plans and grants are bounded (MAX_PLANS,
+oldest dropped).  Disk work goes through slates.land.disk; everything
+else here is bookkeeping.
 """
 
 from __future__ import annotations
@@ -42,24 +59,32 @@ from slates.errors import (
     VerificationFailed,
 )
 from slates.land.disk import Target, state_of_bytes
+from slates.land.held import HeldContent
 from slates.land.manifest import (
     Decision,
     Entry,
     Manifest,
     State,
     check_relative,
+    explain,
     manifest_from_wire,
     order_for_apply,
 )
 
-__all__ = ["LandingDesk", "MAX_PLANS", "walk_tree"]
+__all__ = ["LandingDesk", "MAX_PLANS", "MAX_HELD_BLOBS", "MAX_HELD_BYTES", "walk_tree"]
 
 MAX_PLANS = 1024
+MAX_HELD_BLOBS = 256
+MAX_HELD_BYTES = 32 << 20
 Emit = Callable[[list[Any]], None]
 
 
-def walk_tree(root: Root) -> dict[str, int]:
-    """Every visible path (relative, no leading slash) and its inode number."""
+Private = Callable[[str, bool], bool]  # (path, is a directory) -> never landed
+
+
+def walk_tree(root: Root, private: Private | None = None) -> dict[str, int]:
+    """Every visible path (relative, no leading slash) and its inode number; a private
+    path (and everything below a private directory) is left out."""
     out: dict[str, int] = {}
     stack: list[tuple[int, str]] = [(ROOT_INO, "")]
     while stack:
@@ -69,15 +94,35 @@ def walk_tree(root: Root) -> dict[str, int]:
             continue
         for entry in body.entries.values():
             path = f"{prefix}{entry.name}"
+            is_dir = isinstance(root.inodes[entry.ino].body, DirBody)
+            if private is not None and private(path, is_dir):
+                continue
             out[path] = entry.ino
             stack.append((entry.ino, path + "/"))
     return out
 
 
+def _digests(manifest: Manifest) -> set[str]:
+    """The content hashes a manifest names (witnessed or proposed files)."""
+    return {
+        state.digest
+        for entry in manifest.entries
+        for state in (entry.witnessed, entry.proposed)
+        if state is not None and state.kind == "file" and state.digest is not None
+    }
+
+
 class LandingDesk:
-    def __init__(self, approver_key: bytes | None) -> None:
+    def __init__(
+        self,
+        approver_key: bytes | None,
+        *,
+        max_held_blobs: int = MAX_HELD_BLOBS,
+        max_held_bytes: int = MAX_HELD_BYTES,
+    ) -> None:
         self.plans: dict[str, Manifest] = {}
         self.grants: dict[str, list[Any]] = {}  # token -> [manifest id, used]
+        self.held = HeldContent(max_held_blobs, max_held_bytes)
         self._grant_key = (
             None
             if approver_key is None
@@ -92,14 +137,9 @@ class LandingDesk:
     def apply_event(self, event: list[Any]) -> None:
         match event:
             case ["plan", list(raw)]:
-                manifest = manifest_from_wire(raw)
-                self.plans.pop(manifest.manifest_id, None)
-                self.plans[manifest.manifest_id] = manifest
-                while len(self.plans) > MAX_PLANS:
-                    oldest = next(iter(self.plans))
-                    del self.plans[oldest]
-                    for token in [t for t, g in self.grants.items() if g[0] == oldest]:
-                        del self.grants[token]
+                self._add_plan(manifest_from_wire(raw), {})
+            case ["plan", {"manifest": list(raw), "held": dict(held)}]:
+                self._add_plan(manifest_from_wire(raw), held)
             case ["grant", str(token), str(manifest_id)]:
                 self.grants[token] = [manifest_id, False]
             case ["grant_used", str(token)]:
@@ -108,10 +148,32 @@ class LandingDesk:
             case _:
                 raise VerificationFailed("unknown landing event", event=repr(event)[:80])
 
+    def _add_plan(self, manifest: Manifest, blobs: dict[str, bytes]) -> None:
+        manifest_id = manifest.manifest_id
+        self.held.add(manifest_id, _digests(manifest), blobs)
+        self.plans.pop(manifest_id, None)
+        self.plans[manifest_id] = manifest
+        while len(self.plans) > MAX_PLANS:
+            self._drop_plan(next(iter(self.plans)))
+        while self.held.over_bounds():
+            # The oldest plan holding content goes (never the one just added: a merge
+            # that alone exceeds the bounds is refused before it is journaled).
+            oldest = next((m for m in self.plans if self.held.holds(m) and m != manifest_id), None)
+            if oldest is None:
+                break
+            self._drop_plan(oldest)
+
+    def _drop_plan(self, manifest_id: str) -> None:
+        del self.plans[manifest_id]
+        for token in [t for t, g in self.grants.items() if g[0] == manifest_id]:
+            del self.grants[token]
+        self.held.release(manifest_id)
+
     def to_wire(self) -> dict[str, Any]:
         return {
             "plans": [m.to_wire() for m in self.plans.values()],
             "grants": {token: list(grant) for token, grant in self.grants.items()},
+            "held": self.held.to_wire(),
         }
 
     def restore(self, raw: dict[str, Any]) -> None:
@@ -120,6 +182,9 @@ class LandingDesk:
             manifest = manifest_from_wire(item)
             self.plans[manifest.manifest_id] = manifest
         self.grants = {str(t): [str(g[0]), bool(g[1])] for t, g in raw["grants"].items()}
+        self.held = HeldContent(self.held.max_blobs, self.held.max_bytes)
+        if "held" in raw:  # checkpoints from before merged content have none
+            self.held.restore(raw["held"])
 
     # -- plans --------------------------------------------------------------------
 
@@ -137,9 +202,11 @@ class LandingDesk:
         target: str,
         read: Callable[[Root, int], bytes],
         paths: list[str] | None,
+        private: Private | None = None,
     ) -> Manifest:
-        """The manifest that takes the witness to the proposal (restricted to `paths`)."""
-        before, after = walk_tree(witness), walk_tree(proposal)
+        """The manifest that takes the witness to the proposal (restricted to `paths`);
+        private paths (`private(path, is_dir)`) are never part of it."""
+        before, after = walk_tree(witness, private), walk_tree(proposal, private)
         entries: list[Entry] = []
         for path in sorted(set(before) | set(after)):
             old_ino, new_ino = before.get(path), after.get(path)
@@ -154,9 +221,22 @@ class LandingDesk:
         manifest = Manifest(source, target, tuple(entries))
         return manifest.select(paths) if paths else manifest
 
-    def register(self, manifest: Manifest, emit: Emit) -> Manifest:
-        emit(["plan", manifest.to_wire()])
+    def register(
+        self, manifest: Manifest, emit: Emit, held: dict[str, bytes] | None = None
+    ) -> Manifest:
+        """Journal a plan; `held`: content it names that no snapshot holds (by BLAKE3)."""
+        fresh = self.held.fresh(_digests(manifest), held or {})
+        if fresh:
+            emit(["plan", {"manifest": manifest.to_wire(), "held": fresh}])
+        else:
+            emit(["plan", manifest.to_wire()])
         return manifest
+
+    def content(self, state: State | None) -> bytes | None:
+        """The held content of a file state (merged proposals and their witnesses), if any."""
+        if state is None or state.kind != "file" or state.digest is None:
+            return None
+        return self.held.get(state.digest)
 
     # -- grants and landing -------------------------------------------------------
 
@@ -206,17 +286,21 @@ class LandingDesk:
                     body = None
                     if entry.proposed is not None and entry.proposed.kind != "dir":
                         body = content(entry.path)
-                    decision, disk = target.apply(entry, body)
+                    done = target.land_entry(entry, body)
                 except (OSError, SlatesError) as exc:
                     outcomes.append(_outcome(entry, "failed", None, reason=str(exc)))
-                    outcomes += [_outcome(e, "not attempted", None) for e in pending[index + 1 :]]
+                    outcomes += [
+                        _outcome(e, "not attempted", None, reason=f"{entry.path} failed first")
+                        for e in pending[index + 1 :]
+                    ]
                     break
                 word = {
                     Decision.APPLY: "applied",
                     Decision.IDENTICAL: "identical",
                     Decision.CONFLICT: "conflict",
-                }[decision]
-                outcomes.append(_outcome(entry, word, disk))
+                }[done.decision]
+                extra = {} if done.reason is None else {"reason": done.reason}
+                outcomes.append(_outcome(entry, word, done.disk, **extra))
             target.finish()
         emit(["grant_used", token])
         conflicts = sum(1 for o in outcomes if o["outcome"] == "conflict")
@@ -235,6 +319,36 @@ class LandingDesk:
         entry = _entry_at(manifest, path)
         with Target(manifest.target, lease=False) as target:
             return target.read(entry)
+
+    @staticmethod
+    def check(manifest: Manifest) -> list[dict[str, Any]]:
+        """What landing each entry would do if it were approved now ("apply", "identical",
+        "conflict" or "fail"), and why a conflict or failure would be one (for the approval
+        screen; reads the disk, changes nothing)."""
+        out: list[dict[str, Any]] = []
+        with Target(manifest.target, lease=False) as target:
+            for entry in manifest.entries:
+                try:
+                    disk = target.state(entry.path)
+                except (OSError, SlatesError) as exc:  # e.g. a symlinked directory on the way
+                    out.append(_outcome(entry, "fail", None, reason=str(exc)))
+                    continue
+                decision, reason = explain(entry.witnessed, disk, entry.proposed)
+                word = {
+                    Decision.APPLY: "apply",
+                    Decision.IDENTICAL: "identical",
+                    Decision.CONFLICT: "conflict",
+                }[decision]
+                out.append(
+                    _outcome(entry, word, disk, **({} if reason is None else {"reason": reason}))
+                )
+        return out
+
+    @staticmethod
+    def disk_states(manifest: Manifest, paths: set[str]) -> dict[str, State | None]:
+        """The disk's state now at these entries (a fifo or device shows as kind "other")."""
+        with Target(manifest.target, lease=False) as target:
+            return {e.path: target.state(e.path) for e in manifest.entries if e.path in paths}
 
     @staticmethod
     def observe(manifest: Manifest, paths: list[str] | None) -> dict[str, State | None]:

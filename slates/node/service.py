@@ -15,12 +15,15 @@ Events are plain lists:
     ["drop", vid]                     a volume deleted
     ["done", client, seq, reply]      the saved reply of a mutating request
     ["ack", client, upto]             replies the client has received
-    ["green", vid, snapshot_id]       a volume becomes green; the snapshot is v0
-    ["work", vid, green, version]     a volume is work on a green version
-    ["reset", vid, snapshot_id]       the volume restarts as a clone of the snapshot
+    ["green", vid, snapshot_id, source, policy]   a volume becomes green; the snapshot is v0
+    ["work", vid, green, version, start, limit]   a volume is work on a green version,
+                                      numbering its new inodes in [start, limit)
+    ["reset", vid, snapshot_id, remade]   the volume restarts as a clone of the snapshot,
+                                      keeping its numbering, handles and kernel references
+                                      (those on `remade` objects are retained by records)
     ["version", green, snapshot_id, base, work, changes, own edits]   a submission accepted
     ["based", vid, version]           a work volume was rebased onto the version
-    ["held", vid, version, snapshot]  accepted while mounted: it keeps its base
+    ["held", vid, version, snapshot]  accepted, but no room to move: it keeps its base
 Everything an event needs from outside (base facts, times) is inside it,
 so replay needs no base directory except to serve later reads.
 
@@ -46,9 +49,10 @@ from slates.base.capturing import capture_into
 from slates.core import checkpoint
 from slates.core.host import Host
 from slates.core.records import Attr, Kind, Record, TakeSnapshot, decode, encode
-from slates.core.volume import BaseReader, Capacity, Snapshot, Volume, chunk_ids
+from slates.core.volume import NO_INO_LIMIT, BaseReader, Capacity, Snapshot, Volume, chunk_ids
 from slates.errors import (
     AccessDenied,
+    CapacityExhausted,
     InvalidArgument,
     IsADirectory,
     MissingContent,
@@ -60,7 +64,10 @@ from slates.errors import (
     error_from_wire,
 )
 from slates.merge import changes as merge_changes
+from slates.merge import report as merge_report
 from slates.merge import tree as merge_tree
+from slates.merge.private import PrivateMatcher, PrivatePolicy
+from slates.merge.submission import GreenPolicy, Submission, prepare
 from slates.node.args import int_arg as _int_arg
 from slates.node.args import path_arg as _path_arg
 from slates.node.args import str_arg as _str_arg
@@ -75,7 +82,7 @@ MAX_UNACKED = 1024
 MAX_READ_BYTES = 16 << 20  # one reply stays well under the 64 MiB frame limit
 READ_ONLY_OPS = frozenset(
     {"status", "volume.list", "volume.show", "read", "list", "stat", "readlink"}
-    | {"versions", "changed_since", "land.show", "land.read_base", "land.content"}
+    | {"versions", "changed_since", "land.show", "land.read_base", "land.content", "land.check"}
     | {"fs.getattr", "fs.read", "fs.readlink", "fs.getxattr", "fs.listxattr", "fs.statfs"}
     | {"fs.lseek", "fs.access", "fs.fsync", "bye"}
 )
@@ -88,6 +95,12 @@ GREEN_REFUSES = frozenset(
     | {"fs.copy_file_range"}
 )
 GARBAGE_BATCH_BYTES = 4 << 20
+# Work volume n of a green numbers its new inodes in [n << 32, (n + 1) << 32): the
+# green adopts those numbers, so no two work volumes' objects ever share one.
+WORK_INO_SHIFT = 32
+MAX_IGNORE_FILE = 1 << 20  # a .gitignore read for private paths (bigger ones are skipped)
+MAX_REPORTED_FILE = 64 << 20  # a conflict's region is found in files up to this size
+_NOTHING = Submission((), (), (), ())
 MAX_PATH_INDEXES = 16  # versions whose path index is kept for reporting
 
 
@@ -133,6 +146,36 @@ def _attr_dict(attr: Attr) -> dict[str, Any]:
     }
 
 
+def _bool_arg(args: dict[str, Any], key: str) -> bool:
+    value = args.get(key, False)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{key} is true or false", value=str(value))
+    return value
+
+
+def _green_policy(args: dict[str, Any]) -> GreenPolicy:
+    """A green's policy from `green create`'s arguments (InvalidArgument on bad patterns)."""
+    patterns = args.get("private", [])
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise InvalidArgument("private is a list of gitignore patterns")
+    rewrites = args.get("rewrites", "refine")
+    if not isinstance(rewrites, str):
+        raise InvalidArgument("rewrites is refine or exact")
+    private = PrivatePolicy(tuple(patterns), _bool_arg(args, "submit_ignored"))
+    return GreenPolicy.from_wire(GreenPolicy(private, rewrites).to_wire())  # checks it
+
+
+def _small_file(volume: Volume, path: str) -> bytes | None:
+    """A small regular file's bytes (an ignore file), or None."""
+    try:
+        attr = volume.getattr(volume.resolve(path))
+    except SlatesError:
+        return None
+    if attr.kind != Kind.FILE or attr.size > MAX_IGNORE_FILE:
+        return None
+    return volume.read(attr.ino, 0, attr.size)
+
+
 def _capacity(args: dict[str, Any]) -> Capacity:
     bounded, dynamic = args.get("bounded"), args.get("dynamic")
     if bounded is not None and dynamic is not None:
@@ -169,6 +212,10 @@ class ShardService:
         self.garbage_bytes = 0
         self.greens: dict[str, list[Version]] = {}  # green volume id -> its ledger
         self.works: dict[str, tuple[str, int]] = {}  # work volume id -> (green, base version)
+        self.green_policies: dict[str, GreenPolicy] = {}
+        self.work_counts: dict[str, int] = {}  # green -> work volumes made (numbering ranges)
+        # Invalidations for mounts whose volume moved onto another version.
+        self.moved: dict[str, list[list[Any]]] = {}
         # Work volumes accepted while mounted (they keep their base): the version
         # they made and a snapshot of what they held then.
         self.held: dict[str, tuple[int, str]] = {}
@@ -502,16 +549,18 @@ class ShardService:
         """A green volume: empty, or a captured copy of a base directory (never read live).
 
         A live base could change under the versions agents share, so a green
-        volume's base is captured: every version holds its own bytes.
+        volume's base is captured: every version holds its own bytes.  Its
+        policy (private paths, rewrites) is checked before anything is made.
         """
         if args.get("from") is not None:
             raise InvalidArgument("a green volume starts empty or from a base directory")
+        policy = _green_policy(args)
         base = args.get("base")
         create = {**args, "capture": base is not None}
         vid = self._create_volume(create, now)["id"]
         snapshot = self.volumes[vid].snapshot(self._new_id("snap"))
         source = os.path.realpath(base) if isinstance(base, str) else None
-        self._emit(["green", vid, snapshot.snapshot_id, source])
+        self._emit(["green", vid, snapshot.snapshot_id, source, policy.to_wire()])
         return {**self.info(vid), "version": 0}
 
     def _create_work(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -519,10 +568,14 @@ class ShardService:
         version = _int_arg(args, "version", len(ledger) - 1)
         if version >= len(ledger):
             raise NotFound("no such version", green=green, version=version)
+        serial = self.work_counts.get(green, 0) + 1
+        start, limit = serial << WORK_INO_SHIFT, (serial + 1) << WORK_INO_SHIFT
+        if limit > NO_INO_LIMIT:
+            raise CapacityExhausted("this green volume has made all the work volumes it can")
         info = self._clone(
             {**args, "snapshot": ledger[version].snapshot_id, "name": _str_arg(args, "name")}
         )
-        self._emit(["work", info["id"], green, version])
+        self._emit(["work", info["id"], green, version, start, limit])
         return {**self.info(info["id"]), "base": version}
 
     def _work(self, args: dict[str, Any]) -> tuple[str, Volume, str, int]:
@@ -544,23 +597,67 @@ class ShardService:
         self._path_indexes[snapshot_id] = index
         return index
 
-    def _mapped_changes(
-        self, volume: Volume, green: str, base: int
-    ) -> tuple[
-        tuple[merge_changes.Change, ...], list[dict[str, Any]], tuple[merge_changes.Change, ...]
-    ]:
-        """The work's changes since `base`, mapped to the green head, or the conflicts;
-        and its byte-range edits as recorded (unmapped), which the ledger keeps."""
-        ledger = self.greens[green]
-        snapshot_id = ledger[base].snapshot_id
+    def _reader(self, root: Any) -> Volume:
+        return Volume(self.host, root)
+
+    def private_matcher(self, green: str, root: Any) -> PrivateMatcher:
+        """The green's private-path rule over the ignore files of `root` (a version or a
+        work volume's snapshot): for landing plans."""
+
+        def read_file(path: str) -> bytes | None:
+            reader = self._reader(root)
+            try:
+                return _small_file(reader, path)
+            finally:
+                reader.close()
+
+        return PrivateMatcher(self.green_policies.get(green, GreenPolicy()).private, read_file)
+
+    def _prepare(self, volume: Volume, green: str, base: int) -> Submission:
+        """What the work volume submits from `base`: its changes less the private ones,
+        saves folded and rewrites refined (slates.merge.submission)."""
+        snapshot_id = self.greens[green][base].snapshot_id
         base_root = self.snapshots[snapshot_id].root
         paths = self._path_index(snapshot_id)
         changes = merge_tree.diff(
-            base_root,
-            volume.root,
-            volume.read,
-            lambda ino: paths.get(ino, f"#{ino}"),
+            base_root, volume.root, volume.read, lambda ino: paths.get(ino, f"#{ino}")
         )
+        if not changes:
+            return Submission((), (), (), ())
+        policy = self.green_policies.get(green, GreenPolicy())
+        reader = self._reader(base_root)
+
+        def whole(source: Volume, ino: int) -> bytes:
+            return source.read(ino, 0, source.getattr(ino).size)
+
+        def is_dir(ino: int) -> bool:
+            inode = volume.root.inodes.get(ino) or base_root.inodes.get(ino)
+            return inode is not None and inode.kind == Kind.DIR
+
+        try:
+            return prepare(
+                changes,
+                policy,
+                PrivateMatcher(policy.private, lambda path: _small_file(volume, path)),
+                base_whole=lambda ino: whole(reader, ino),
+                work_whole=lambda ino: whole(volume, ino),
+                base_size=lambda ino: reader.getattr(ino).size,
+                base_mode=lambda ino: reader.getattr(ino).mode & 0o7777,
+                is_dir=is_dir,
+            )
+        finally:
+            reader.close()
+
+    def _mapped_changes(
+        self,
+        changes: tuple[merge_changes.Change, ...],
+        green: str,
+        base: int,
+        work: Volume | None = None,
+    ) -> tuple[tuple[merge_changes.Change, ...], list[dict[str, Any]]]:
+        """Changes made since `base`, mapped to the green head, or the conflicts."""
+        ledger = self.greens[green]
+        snapshot_id = ledger[base].snapshot_id
         originals = tuple(c for c in changes if isinstance(c, merge_changes.Edit))
         later = ledger[base + 1 :]
         found: list[dict[str, Any]] = []
@@ -571,7 +668,8 @@ class ShardService:
                 changes, version.increment, map_edits=not same_base
             )
             found += [
-                self._conflict_wire(_in_base(c, originals), snapshot_id, version) for c in conflicts
+                self._conflict_wire(_in_base(c, originals), snapshot_id, version, work, originals)
+                for c in conflicts
             ]
         if same_base:
             # Every accepted submission since started from this base too: bytes
@@ -579,55 +677,134 @@ class ShardService:
             changes, conflicts = merge_changes.map_edits_pairwise(
                 changes, [version.originals for version in later]
             )
-            found += [self._conflict_wire(c, snapshot_id, ledger[-1]) for c in conflicts]
-        return ((), found, originals) if found else (changes, [], originals)
+            found += [
+                self._conflict_wire(c, snapshot_id, ledger[-1], work, originals) for c in conflicts
+            ]
+        return ((), found) if found else (changes, [])
 
     def _conflict_wire(
-        self, conflict: merge_changes.Conflict, base_snapshot: str, version: Version
+        self,
+        conflict: merge_changes.Conflict,
+        base_snapshot: str,
+        version: Version,
+        work: Volume | None = None,
+        originals: tuple[merge_changes.Change, ...] = (),
     ) -> dict[str, Any]:
+        """A conflict as the wire carries it, with the base bytes of its range and, for
+        byte ranges, the smallest region where the accepted and proposed bytes differ
+        (slates.merge.report).  Files are read only here: a conflict is rare."""
         wire = merge_changes.conflict_to_wire(conflict)
         wire["version"] = version.number
-        if conflict.base is not None and conflict.ino:
-            # The base bytes are read only to report them: a conflict is rare.
-            reader = Volume.clone(self.snapshots[base_snapshot], self.host)
-            try:
-                start, end = conflict.base
-                wire["base_bytes"] = reader.read(conflict.ino, start, end - start)
-            except SlatesError:
-                wire["base_bytes"] = None
-            finally:
-                reader.close()
+        if conflict.base is None or not conflict.ino:
+            return wire
+        base = Volume.clone(self.snapshots[base_snapshot], self.host)
+        head = Volume.clone(self.snapshots[version.snapshot_id], self.host)
+        try:
+            start, end = conflict.base
+            wire["base_bytes"] = base.read(conflict.ino, start, end - start)
+        except SlatesError:
+            wire["base_bytes"] = None
+        try:
+            wire["region"] = self._region(conflict, base, head, work, originals)
+        finally:
+            base.close()
+            head.close()
         return wire
 
+    @staticmethod
+    def _region(
+        conflict: merge_changes.Conflict,
+        base: Volume,
+        head: Volume,
+        work: Volume | None,
+        originals: tuple[merge_changes.Change, ...],
+    ) -> dict[str, Any] | None:
+        own = next(
+            (
+                c.edits
+                for c in originals
+                if isinstance(c, merge_changes.Edit) and c.ino == conflict.ino
+            ),
+            (),
+        )
+        at = merge_report.proposed_offset(own, conflict)
+        if work is None or at is None:
+            return None
+        try:
+            files = [
+                v.read(conflict.ino, 0, v.getattr(conflict.ino).size) for v in (head, work, base)
+            ]
+        except SlatesError:
+            return None
+        if max(len(f) for f in files) > MAX_REPORTED_FILE:
+            return None
+        head_file, work_file, base_file = files
+        region = merge_report.smallest_region(
+            conflict, head_file=head_file, work_file=work_file, proposed_at=at, base_file=base_file
+        )
+        return None if region is None else merge_report.region_to_wire(region)
+
     def _restart_as(
-        self, vid: str, snapshot_id: str, changes: tuple[merge_changes.Change, ...], now: int
+        self,
+        vid: str,
+        snapshot_id: str,
+        changes: tuple[merge_changes.Change, ...],
+        now: int,
+        private: tuple[merge_changes.Change, ...] = (),
     ) -> tuple[Volume, tuple[merge_changes.Change, ...]]:
         """Make `vid` a clone of the snapshot with `changes` applied, or change nothing.
 
         The new volume replaces the old one only if every change applied; its
         records are journaled after a "reset" event, so replay rebuilds it the
-        same way.
+        same way.  It keeps the old one's inode numbering, open handles and
+        kernel references (an inode the snapshot lacks stays as an orphan), so
+        a mount goes on; what changed under the mount is invalidated.  The
+        `private` changes (a work volume's own, never submitted) are applied
+        after `changes` and keep their times, so build tools see them as built.
         """
         old = self.volumes[vid]
         mark = len(self._events)
         fresh = Volume.clone(
             self.snapshots[snapshot_id], self.host, Capacity(old.bounded, old.limit)
         )
-        self._events.append(["reset", vid, snapshot_id])
-        fresh.adopt_handles(old)  # before the records, as replay does
+        # Objects the changes make again keep their numbers; a kernel reference to
+        # one is taken up once it exists (the others' before any record, as replay).
+        remade = sorted(
+            -c.key
+            for c in (*changes, *private)
+            if isinstance(c, merge_changes.Add) and c.key < 0 and old.handles(-c.key)
+        )
+        self._events.append(["reset", vid, snapshot_id, remade])
+        fresh.number_from(*old.numbering)
+        fresh.adopt_handles(old, remade)
         self._watch(vid, fresh)
+
+        def kept_times(ino: int) -> tuple[int, int] | None:
+            inode = old.root.inodes.get(ino)
+            return None if inode is None else (inode.atime_ns, inode.mtime_ns)
+
         try:
             applied = merge_tree.apply(fresh, changes, now)
+            merge_tree.apply(fresh, private, now, kept_times)
+            for ino in remade:
+                fresh.retain(ino, old.handles(ino))
         except BaseException:
             del self._events[mark:]
             fresh.close()
             raise
+        if old.held_inodes():
+            self.moved.setdefault(vid, []).extend(merge_tree.changed_entries(old.root, fresh.root))
         self._retire(old)
         self.volumes[vid] = fresh
         return fresh, applied
 
+    def take_moved(self) -> dict[str, list[list[Any]]]:
+        """Invalidations for mounted volumes that moved onto another version (driver)."""
+        moved, self.moved = self.moved, {}
+        return moved
+
     def _unchanged_since_held(self, vid: str, volume: Volume) -> bool:
-        """For a work volume accepted while mounted: True if nothing changed since.
+        """For a work volume accepted but left on its base: True if nothing changed since.
 
         Its later changes cannot be told from the ones already accepted (it kept
         its base), so they are refused, never merged twice or dropped.
@@ -638,33 +815,69 @@ class ShardService:
         version, snapshot_id = found
         if merge_tree.changed_since(self.snapshots[snapshot_id].root, volume.root):
             raise InvalidArgument(
-                "this work volume was accepted while mounted and has changed since; "
-                "its new changes cannot be separated from the accepted ones: make them "
-                "in a new work volume from that version or later",
+                "this work volume was accepted but could not move onto its version "
+                "(no room) and has changed since; its new changes cannot be separated "
+                "from the accepted ones: make them in a new work volume",
                 volume=vid,
                 version=version,
             )
         return True
 
+    @staticmethod
+    def _submit_reply(
+        ledger: list[Version], submission: Submission, **fields: Any
+    ) -> dict[str, Any]:
+        reply: dict[str, Any] = {
+            "ok": True,
+            "version": len(ledger) - 1,
+            "conflicts": [],
+            "made_version": False,
+            "nothing": False,
+            "dry_run": False,
+            "private": submission.private_paths,
+            "paths": sorted(merge_changes.changed_paths(submission.public)),
+            "refined": list(submission.refined),
+            "literal": list(submission.literal),
+        }
+        reply.update(fields)
+        return reply
+
     def _submit(self, args: dict[str, Any], now: int) -> dict[str, Any]:
         vid, volume, green, base = self._work(args)
-        if self._unchanged_since_held(vid, volume):
-            ledger = self.greens[green]
-            return {"ok": True, "version": len(ledger) - 1, "conflicts": [], "rebased": False}
-        volume.seal()
-        changes, conflicts, originals = self._mapped_changes(volume, green, base)
+        dry_run = _bool_arg(args, "dry_run")
         ledger = self.greens[green]
+        if self._unchanged_since_held(vid, volume):
+            return self._submit_reply(ledger, _NOTHING, nothing=True, dry_run=dry_run)
+        if not dry_run:
+            volume.seal()
+        submission = self._prepare(volume, green, base)
+        if dry_run:  # what would be submitted, and whether it would conflict
+            found = self._mapped_changes(submission.public, green, base, volume)[1]
+            return self._submit_reply(
+                ledger,
+                submission,
+                dry_run=True,
+                nothing=not submission.public,
+                ok=not found,
+                conflicts=found,
+            )
+        if not submission.public:
+            return self._submit_reply(ledger, submission, nothing=True)
+        changes, conflicts = self._mapped_changes(submission.public, green, base, volume)
         if conflicts:
-            return {"ok": False, "version": None, "conflicts": conflicts}
-        if not changes:  # nothing, or only what the head holds already
-            return {"ok": True, "version": len(ledger) - 1, "conflicts": [], "rebased": False}
+            return self._submit_reply(
+                ledger, submission, ok=False, version=None, conflicts=conflicts
+            )
+        if not changes:  # only what the head holds already
+            return self._submit_reply(ledger, submission, nothing=True)
         head = ledger[-1]
         try:
             fresh, applied = self._restart_as(green, head.snapshot_id, changes, now)
         except merge_tree.ApplyConflict as on_head:
             wire = self._conflict_wire(on_head.conflict, ledger[base].snapshot_id, head)
-            return {"ok": False, "version": None, "conflicts": [wire]}
+            return self._submit_reply(ledger, submission, ok=False, version=None, conflicts=[wire])
         snapshot = fresh.snapshot(self._new_id("snap"))
+        originals = tuple(c for c in submission.public if isinstance(c, merge_changes.Edit))
         self._emit(
             [
                 "version",
@@ -676,36 +889,37 @@ class ShardService:
                 merge_changes.changes_to_wire(originals),
             ]
         )
-        # The work volume moves onto the version it made, so its next submission
-        # holds only what it changes from now on.  A mounted one keeps its base:
-        # the kernel holds its inode numbers, which a restart would reassign.
-        rebased = not volume.held_inodes()
-        if rebased:
-            try:
-                self._restart_as(vid, snapshot.snapshot_id, (), now)
-            except SlatesError:
-                rebased = False  # no room for the move (a bounded volume): it keeps its base
-            else:
-                self._emit(["based", vid, len(ledger) - 1])
-        if not rebased:
+        # The work volume moves onto the version it made, with its private paths,
+        # so its next submission holds only what it changes from now on.  A
+        # mounted one keeps every inode number the kernel holds.
+        try:
+            self._restart_as(vid, snapshot.snapshot_id, (), now, submission.private)
+        except (SlatesError, merge_tree.ApplyConflict) as failure:
+            # No room for the move (a bounded volume), say: it keeps its base.
             held = volume.snapshot(self._new_id("snap"))
             self._emit(["held", vid, len(ledger) - 1, held.snapshot_id])
-        return {"ok": True, "version": len(ledger) - 1, "conflicts": [], "rebased": rebased}
+            return self._submit_reply(
+                ledger, submission, made_version=True, rebased=False, kept_base=str(failure)
+            )
+        self._emit(["based", vid, len(ledger) - 1])
+        return self._submit_reply(ledger, submission, made_version=True, rebased=True)
 
     def _rebase(self, args: dict[str, Any], now: int) -> dict[str, Any]:
         vid, volume, green, base = self._work(args)
-        if volume.held_inodes():
-            raise InvalidArgument("unmount the work volume before rebasing it", volume=vid)
+        ledger = self.greens[green]
         if self._unchanged_since_held(vid, volume):
-            changes: tuple[merge_changes.Change, ...] = ()  # all of it is in the head already
+            # All of it is in the head already, but for its private paths.
+            submission = self._prepare(volume, green, base)
+            changes: tuple[merge_changes.Change, ...] = ()
             conflicts: list[dict[str, Any]] = []
         else:
-            changes, conflicts, _originals = self._mapped_changes(volume, green, base)
+            volume.seal()  # sealed content can move onto the head as it is
+            submission = self._prepare(volume, green, base)
+            changes, conflicts = self._mapped_changes(submission.public, green, base, volume)
         if conflicts:
             return {"ok": False, "version": base, "conflicts": conflicts}
-        ledger = self.greens[green]
         try:
-            self._restart_as(vid, ledger[-1].snapshot_id, changes, now)
+            self._restart_as(vid, ledger[-1].snapshot_id, changes, now, submission.private)
         except merge_tree.ApplyConflict as on_head:
             wire = self._conflict_wire(on_head.conflict, ledger[base].snapshot_id, ledger[-1])
             return {"ok": False, "version": base, "conflicts": [wire]}
@@ -822,13 +1036,20 @@ class ShardService:
                 self._after_record(record, result)
             case ["plan", _] | ["grant", _, _] | ["grant_used", _]:
                 self.desk.apply_event(event)
-            case ["green", str(vid), str(snapshot_id), source] if source is None or isinstance(
-                source, str
+            case ["green", str(vid), str(snapshot_id), source, list(policy)] if (
+                source is None or isinstance(source, str)
             ):
                 self.greens[vid] = [Version(0, snapshot_id, -1, "", ())]
                 self.green_sources[vid] = source
-            case ["work", str(vid), str(green), int(version)]:
+                self.green_policies[vid] = GreenPolicy.from_wire(policy)
+                green_volume = self.volumes[vid]
+                green_volume.number_from(green_volume.root.next_ino, 1 << WORK_INO_SHIFT)
+            case ["work", str(vid), str(green), int(version), int(start), int(limit)]:
                 self.works[vid] = (green, version)
+                serial = start >> WORK_INO_SHIFT
+                self.work_counts[green] = max(self.work_counts.get(green, 0), serial)
+                if vid not in self.failed:
+                    self.volumes[vid].number_from(start, limit)
             case ["based", str(vid), int(version)] if vid in self.works:
                 self.works[vid] = (self.works[vid][0], version)
                 self.held.pop(vid, None)
@@ -847,7 +1068,7 @@ class ShardService:
                 increment = merge_changes.changes_from_wire(raw)
                 own = merge_changes.changes_from_wire(originals)
                 ledger.append(Version(len(ledger), snapshot_id, base, work, increment, own))
-            case ["reset", str(vid), str(snapshot_id)] if not live:
+            case ["reset", str(vid), str(snapshot_id), list(remade)] if not live:
                 if vid in self.failed:
                     return
                 old = self.volumes[vid]
@@ -858,12 +1079,15 @@ class ShardService:
                 except SlatesError as exc:  # it fitted when it ran; the volume fails alone
                     self.failed[vid] = exc
                     return
-                fresh.adopt_handles(old)
+                fresh.number_from(*old.numbering)
+                fresh.adopt_handles(old, {int(ino) for ino in remade})
                 self._retire(old)
                 self.volumes[vid] = fresh
                 self._watch(vid, fresh)
             case ["drop", str(vid)]:
                 self.greens.pop(vid, None)
+                self.green_policies.pop(vid, None)
+                self.work_counts.pop(vid, None)
                 self.works.pop(vid, None)
                 self.held.pop(vid, None)
                 dropped = self.volumes.pop(vid, None)
@@ -978,6 +1202,8 @@ class ShardService:
                 for green, ledger in self.greens.items()
             },
             "works": {vid: list(found) for vid, found in self.works.items()},
+            "green_policies": {g: p.to_wire() for g, p in self.green_policies.items()},
+            "work_counts": self.work_counts,
             "green_sources": self.green_sources,
             "held": {vid: list(found) for vid, found in self.held.items()},
             "landing": self.desk.to_wire(),
@@ -1025,9 +1251,13 @@ class ShardService:
             }
             works = {vid: (str(g), int(v)) for vid, (g, v) in meta["works"].items()}
             self.green_sources = dict(meta["green_sources"])
+            self.green_policies = {
+                str(g): GreenPolicy.from_wire(p) for g, p in meta["green_policies"].items()
+            }
+            self.work_counts = {str(g): int(n) for g, n in meta["work_counts"].items()}
             self.held = {vid: (int(v), str(s)) for vid, (v, s) in meta["held"].items()}
             self.desk.restore(meta["landing"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, InvalidArgument) as exc:
             raise VerificationFailed("the checkpoint is malformed", reason=str(exc)) from None
         self.failed = {vid: error_from_wire(wire) for vid, wire in failed.items()}
         self.greens, self.works = greens, works

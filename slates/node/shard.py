@@ -180,6 +180,8 @@ class Shard:
         self.service.collect_garbage()
         for vid, notes in invalidations(self.service.applied).items():
             self.pending.setdefault(vid, []).extend(notes)
+        for vid, notes in self.service.take_moved().items():
+            self.pending.setdefault(vid, []).extend(notes)
         error = reply.get("error")
         if (
             request.op == "fs.read"

@@ -2,33 +2,33 @@
 
 Theory of operation: a client finds the local anchor through the runtime
 directory's state file and keeps one connection per shard, opened on first
-use.  Each connection says hello with the client's id, receives a ring
-pair, and then sends one request at a time over the rings, watching the
-socket for the shard's death.  If the shard dies (or the connection
-breaks) the client reconnects, waiting for the anchor's replacement, and
-resends the *same* request (same client id and sequence number): the
-shard answers from its saved result if the request had already run, so a
-retry never runs an operation twice.  Reconnection is bounded
-(RECONNECT_SECONDS); past it the call fails with a SlatesError.
+use (slates.sdk.connection: hello, ring pair, and a bounded reconnect that
+resends the same request, so a retry never runs an operation twice).
 
 Routing needs no lookup: a volume or snapshot id names its shard, and a
-new volume goes to the shard its name hashes to.  Errors come back as the
-named exceptions of slates.errors.
+new volume goes to the shard its name hashes to.  A volume *name* becomes
+an id through `resolve` (the one rule of slates.sdk.names, shared by the
+CLI and the MCP server).  Errors come back as the named exceptions of
+slates.errors.
+
+`Client` is the blocking face: a private trio thread runs an AsyncClient,
+and each Client method (a `_Blocking` descriptor over the AsyncClient
+method of the same name) has that method's parameters and result type, so
+callers are type-checked through it too.
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
 import ctypes
 import os
 import socket
 import threading
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import blake3
 import trio
@@ -40,142 +40,19 @@ from slates.errors import (
     SnapshotBarrierFailed,
     VerificationFailed,
 )
-from slates.node.protocol import FrameReader, check_ok, frame, pack, parse_reply, unpack
-from slates.node.ring import RingPair
+from slates.node.protocol import FrameReader, check_ok, frame, pack, unpack
 from slates.node.runtime import Runtime
 from slates.node.service import shard_of
+from slates.sdk.connection import RECONNECT_SECONDS, ShardConnection, send_all
+from slates.sdk.names import Role, check_reference, is_volume_id, pick_volume
 
 __all__ = ["AsyncClient", "Client", "RECONNECT_SECONDS"]
 
-RECONNECT_SECONDS = 30.0
 READ_PIECE = 8 << 20  # the shard answers at most 16 MiB per read
 BARRIER_SECONDS = 60.0
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _T = TypeVar("_T")
-
-
-class _ConnectionLost(Exception):
-    pass
-
-
-class _ShardConnection:
-    def __init__(self, path: str, client_id: str, rings: bool) -> None:
-        self.path = path
-        self.client_id = client_id
-        self.rings = rings
-        self.sock: trio.socket.SocketType | None = None
-        self.pair: RingPair | None = None
-        self.reader = FrameReader()
-        self.next_seq = 1
-        self.acked = 0
-        self.lock = trio.Lock()
-
-    async def _connect(self) -> None:
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            await sock.connect(self.path)
-            await _send_all(sock, frame(pack({"client": self.client_id, "rings": self.rings})))
-            self.reader = FrameReader()
-            fds: list[int] = []
-            while (answer := self.reader.next_frame()) is None:
-                data, ancillary, _flags, _addr = await sock.recvmsg(
-                    1 << 16, socket.CMSG_SPACE(4 * array.array("i").itemsize)
-                )
-                if not data:
-                    raise _ConnectionLost()
-                for level, kind, payload in ancillary:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        fds.extend(array.array("i", payload[: len(payload) // 4 * 4]))
-                self.reader.feed(data)
-            try:
-                check_ok(unpack(answer))
-            except SlatesError:
-                for fd in fds:
-                    os.close(fd)
-                raise
-            if self.rings:
-                if len(fds) != 4:
-                    raise VerificationFailed("the shard did not pass a ring pair")
-                self.pair = RingPair.attach(fds)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-
-    def close(self) -> None:
-        if self.pair is not None:
-            self.pair.close()
-            self.pair = None
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-    async def _exchange(self, message: bytes) -> bytes:
-        assert self.sock is not None
-        if self.pair is None:
-            await _send_all(self.sock, frame(message))
-            while (reply := self.reader.next_frame()) is None:
-                data = await self.sock.recv(1 << 16)
-                if not data:
-                    raise _ConnectionLost()
-                self.reader.feed(data)
-            return reply
-        pair, sock, reader = self.pair, self.sock, self.reader
-        if len(message) > pair.requests.max_message:
-            await _send_all(sock, frame(message))  # too large for the ring: a socket frame
-        else:
-            while not pair.requests.push(message):
-                await trio.sleep(0.0005)  # bounded ring: wait for the shard to drain it
-        received: bytes | None = None
-        async with trio.open_nursery() as nursery:
-
-            async def watch() -> None:
-                # A large reply comes as a frame on the socket; its end means the shard died.
-                nonlocal received
-                with contextlib.suppress(OSError):
-                    while (received := reader.next_frame()) is None:
-                        data = await sock.recv(1 << 16)
-                        if not data:
-                            break
-                        reader.feed(data)
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(watch)
-            received = await pair.replies.receive()
-            nursery.cancel_scope.cancel()
-        if received is None:
-            raise _ConnectionLost()
-        return received
-
-    async def request(self, op: str, args: dict[str, Any]) -> Any:
-        async with self.lock:
-            seq = self.next_seq
-            self.next_seq += 1
-            message = pack({"seq": seq, "ack": self.acked, "op": op, "args": args})
-            deadline = trio.current_time() + RECONNECT_SECONDS
-            delay = 0.01
-            while True:
-                try:
-                    if self.sock is None:
-                        await self._connect()
-                    payload = await self._exchange(message)
-                    break
-                except (OSError, _ConnectionLost, trio.BrokenResourceError):
-                    self.close()
-                    if trio.current_time() > deadline:
-                        raise SlatesError(
-                            "the shard did not answer; is `slates anchor` running?",
-                            socket=self.path,
-                        ) from None
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, 0.5)
-            reply = parse_reply(unpack(payload))
-            if reply.seq != seq:
-                raise VerificationFailed("a reply answered another request", expected=seq)
-            self.acked = seq
-            if reply.error is not None:
-                raise reply.error
-            return reply.result
+_P = ParamSpec("_P")
 
 
 def _syncfs(directory: str) -> None:
@@ -186,13 +63,6 @@ def _syncfs(directory: str) -> None:
             raise OSError(error, os.strerror(error), directory)
     finally:
         os.close(fd)
-
-
-async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        sent = await sock.send(view)
-        view = view[sent:]
 
 
 def _size(value: int | None, what: str) -> int | None:
@@ -214,12 +84,12 @@ class AsyncClient:
         self.runtime = Runtime(runtime_dir)
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.rings = rings
-        self._shards: list[_ShardConnection] = []
+        self._shards: list[ShardConnection] = []
 
     async def __aenter__(self) -> AsyncClient:
         state = self.runtime.read_state()
         self._shards = [
-            _ShardConnection(shard.socket, self.client_id, self.rings) for shard in state.shards
+            ShardConnection(shard.socket, self.client_id, self.rings) for shard in state.shards
         ]
         return self
 
@@ -240,14 +110,14 @@ class AsyncClient:
                         await shard.request("bye", {})
             shard.close()
 
-    def _connection(self, index: int) -> _ShardConnection:
+    def _connection(self, index: int) -> ShardConnection:
         if not self._shards:
             raise InvalidArgument("the client is not open; use `async with AsyncClient()`")
         if not 0 <= index < len(self._shards):
             raise NotFound("the id names a shard this host does not have", shard=index)
         return self._shards[index]
 
-    async def call(self, shard: int, op: str, **args: Any) -> Any:
+    async def call(self, /, shard: int, op: str, **args: Any) -> Any:
         """Send one request to a shard (the typed methods below wrap this)."""
         return await self._connection(shard).request(op, args)
 
@@ -258,6 +128,14 @@ class AsyncClient:
         if not self._shards:
             raise InvalidArgument("the client is not open; use `async with AsyncClient()`")
         return int.from_bytes(blake3.blake3(name.encode()).digest()[:8], "big") % len(self._shards)
+
+    async def resolve(self, ref: str, role: Role | None = None) -> str:
+        """The volume id that `ref` names: an id as is, else the one volume (of `role`)
+        with that name (slates.sdk.names: NotFound or InvalidArgument naming candidates)."""
+        check_reference(ref, role)
+        if is_volume_id(ref):
+            return ref
+        return pick_volume(ref, await self.list_volumes(), role)
 
     # -- service ----------------------------------------------------------------
 
@@ -290,7 +168,7 @@ class AsyncClient:
                     "the anchor does not answer; is `slates anchor` running?",
                     socket=str(self.runtime.anchor_socket),
                 ) from None
-            await _send_all(sock, frame(pack(request)))
+            await send_all(sock, frame(pack(request)))
             reader = FrameReader()
             while (payload := reader.next_frame()) is None:
                 data = await sock.recv(1 << 16)
@@ -429,11 +307,25 @@ class AsyncClient:
         bounded: int | None = None,
         dynamic: int | None = None,
         case_insensitive: bool = False,
+        private: Sequence[str] = (),
+        submit_ignored: bool = False,
+        rewrites: str = "refine",
     ) -> str:
-        """A green volume (version 0): empty, or a captured copy of `base`; returns its id."""
+        """A green volume (version 0): empty, or a captured copy of `base`; returns its id.
+
+        `private`: more gitignore patterns that work volumes keep to themselves (besides
+        `.git/` and what the repository's ignore files ignore, unless `submit_ignored`);
+        `rewrites="exact"` submits whole-file rewrites as they were recorded.
+        """
         if not isinstance(name, str) or not name:
             raise InvalidArgument("a green volume needs a name")
         args: dict[str, Any] = {"name": name, "case_insensitive": case_insensitive}
+        if private:
+            args["private"] = list(private)
+        if submit_ignored:
+            args["submit_ignored"] = True
+        if rewrites != "refine":
+            args["rewrites"] = rewrites
         if base is not None:
             args["base"] = str(Path(base).resolve())
         for key, value in (("bounded", bounded), ("dynamic", dynamic)):
@@ -464,16 +356,34 @@ class AsyncClient:
         result: dict[str, Any] = await self._on(green, "work.create", **args)
         return result
 
-    async def submit(self, work: str) -> dict[str, Any]:
+    async def submit(self, work: str, *, dry_run: bool = False) -> dict[str, Any]:
         """Offer a work volume's changes to its green volume.
 
         Mounts of the work volume write back first (the attachment barrier),
         then the shard seals it and maps its changes through every version
         accepted since its base.  Returns `ok`, `version` (the new head, or
-        None) and `conflicts`; on a conflict nothing changes anywhere.
+        None) and `conflicts`; on a conflict nothing changes anywhere.  Also
+        `made_version` (True only when a new version was made), `nothing`
+        (nothing to submit), `private` (how many changed paths stayed private,
+        e.g. under .git/), `paths` (the submitted paths), `refined` and
+        `literal` (paths whose rewrites were refined, or went as a literal
+        replacement) and `dry_run`.
+
+        dry_run=True reports what would be submitted (`paths`) and makes no
+        version; a reply that does not confirm the dry run (a service that
+        does not know it) is VerificationFailed.
         """
         await self._barrier(work)
-        result: dict[str, Any] = await self._on(work, "submit", volume=work)
+        args: dict[str, Any] = {"volume": work}
+        if dry_run:
+            args["dry_run"] = True
+        result: dict[str, Any] = await self._on(work, "submit", **args)
+        if dry_run and result.get("dry_run") is not True:
+            raise VerificationFailed(
+                "the service did not confirm the dry run (it may have submitted for real)",
+                volume=work,
+                version=result.get("version"),
+            )
         return result
 
     async def rebase(self, work: str) -> dict[str, Any]:
@@ -535,12 +445,19 @@ class AsyncClient:
         result = await self._on(manifest, "land.read_base", manifest=manifest, path=path)
         return None if result is None else bytes(result)
 
-    async def rewitness(self, manifest: str, paths: list[str] | None = None) -> dict[str, Any]:
+    async def rewitness(
+        self, manifest: str, paths: list[str] | None = None, *, merge: bool = False
+    ) -> dict[str, Any]:
         """Record what the disk holds now as the witness (after review): a new manifest,
-        which needs a new approval.  Changes neither the proposal nor the disk."""
+        which needs a new approval.  Changes neither the proposal nor the disk.
+
+        merge=True asks the service to merge the disk's changes into the proposal
+        (sent as "merge" only when set)."""
         args: dict[str, Any] = {"manifest": manifest}
         if paths is not None:
             args["paths"] = list(paths)
+        if merge:
+            args["merge"] = True
         result: dict[str, Any] = await self._on(manifest, "land.rewitness", **args)
         return result
 
@@ -638,6 +555,40 @@ class AsyncClient:
         return result
 
 
+class _Blocking(Generic[_P, _T]):
+    """A Client method: the AsyncClient method of the same name, run on the client's
+    trio thread, with the same parameters and result type (mypy sees both)."""
+
+    def __init__(self, method: Callable[Concatenate[AsyncClient, _P], Awaitable[_T]]) -> None:
+        self.method = method
+        self.__doc__ = method.__doc__
+        self.name = method.__name__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if name != self.name:
+            raise TypeError(f"Client.{name} must wrap AsyncClient.{name}, not {self.name}")
+
+    @overload
+    def __get__(self, client: None, owner: type) -> _Blocking[_P, _T]: ...
+
+    @overload
+    def __get__(self, client: Client, owner: type | None = None) -> Callable[_P, _T]: ...
+
+    def __get__(
+        self, client: Client | None, owner: type | None = None
+    ) -> _Blocking[_P, _T] | Callable[_P, _T]:
+        if client is None:  # looked up on the class (help, inspect): the wrapper itself
+            return self
+        method = self.method
+
+        def blocking(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+            return client._run(method, client._async, *args, **kwargs)
+
+        blocking.__name__ = self.name
+        blocking.__doc__ = self.__doc__
+        return blocking
+
+
 class Client:
     """The blocking client: every AsyncClient method, run on a private trio thread."""
 
@@ -688,12 +639,42 @@ class Client:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._async, name, None)
-        if name.startswith("_") or method is None or not callable(method):
-            raise AttributeError(name)
-
-        def blocking(*args: Any, **kwargs: Any) -> Any:
-            return self._run(method, *args, **kwargs)
-
-        return blocking
+    # Every public AsyncClient method but aclose (close does that), in its order.
+    call = _Blocking(AsyncClient.call)
+    resolve = _Blocking(AsyncClient.resolve)
+    status = _Blocking(AsyncClient.status)
+    mount = _Blocking(AsyncClient.mount)
+    unmount = _Blocking(AsyncClient.unmount)
+    create_volume = _Blocking(AsyncClient.create_volume)
+    list_volumes = _Blocking(AsyncClient.list_volumes)
+    show_volume = _Blocking(AsyncClient.show_volume)
+    counters = _Blocking(AsyncClient.counters)
+    delete_volume = _Blocking(AsyncClient.delete_volume)
+    snapshot = _Blocking(AsyncClient.snapshot)
+    clone = _Blocking(AsyncClient.clone)
+    seal = _Blocking(AsyncClient.seal)
+    create_green = _Blocking(AsyncClient.create_green)
+    create_work = _Blocking(AsyncClient.create_work)
+    submit = _Blocking(AsyncClient.submit)
+    rebase = _Blocking(AsyncClient.rebase)
+    versions = _Blocking(AsyncClient.versions)
+    ledger = _Blocking(AsyncClient.ledger)
+    changed_since = _Blocking(AsyncClient.changed_since)
+    land_plan = _Blocking(AsyncClient.land_plan)
+    land_show = _Blocking(AsyncClient.land_show)
+    land_content = _Blocking(AsyncClient.land_content)
+    read_base = _Blocking(AsyncClient.read_base)
+    rewitness = _Blocking(AsyncClient.rewitness)
+    land_apply = _Blocking(AsyncClient.land_apply)
+    read = _Blocking(AsyncClient.read)
+    write = _Blocking(AsyncClient.write)
+    edit = _Blocking(AsyncClient.edit)
+    truncate = _Blocking(AsyncClient.truncate)
+    mkdir = _Blocking(AsyncClient.mkdir)
+    symlink = _Blocking(AsyncClient.symlink)
+    readlink = _Blocking(AsyncClient.readlink)
+    unlink = _Blocking(AsyncClient.unlink)
+    rmdir = _Blocking(AsyncClient.rmdir)
+    rename = _Blocking(AsyncClient.rename)
+    list = _Blocking(AsyncClient.list)
+    stat = _Blocking(AsyncClient.stat)
