@@ -149,7 +149,8 @@ def save_through_rename(path: Path, old: str, new: str) -> None:
 def build_and_commit(where: Path, message: str) -> int:
     subprocess.run(["make", "-s", "-j2"], cwd=where, check=True, capture_output=True)
     value = int(subprocess.run([str(where / "calc")], capture_output=True, check=True).stdout)
-    git(where, "commit", "-q", "-am", message)
+    git(where, "add", "-A")  # .gitignore keeps build/ and calc out
+    git(where, "commit", "-q", "-m", message)
     return value
 
 

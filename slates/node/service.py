@@ -730,15 +730,22 @@ class ShardService:
         at = merge_report.proposed_offset(own, conflict)
         if work is None or at is None:
             return None
+
+        def whole(volume: Volume, ino: int) -> bytes:
+            return volume.read(ino, 0, volume.getattr(ino).size)
+
         try:
-            files = [
-                v.read(conflict.ino, 0, v.getattr(conflict.ino).size) for v in (head, work, base)
-            ]
+            head_file, base_file = whole(head, conflict.ino), whole(base, conflict.ino)
+            # A file saved over (sed -i) is another object in the work volume, at the path.
+            inode = work.root.inodes.get(conflict.ino)
+            mine = (
+                conflict.ino if inode is not None and inode.nlink else work.resolve(conflict.path)
+            )
+            work_file = whole(work, mine)
         except SlatesError:
             return None
-        if max(len(f) for f in files) > MAX_REPORTED_FILE:
+        if max(len(head_file), len(work_file), len(base_file)) > MAX_REPORTED_FILE:
             return None
-        head_file, work_file, base_file = files
         region = merge_report.smallest_region(
             conflict, head_file=head_file, work_file=work_file, proposed_at=at, base_file=base_file
         )
