@@ -58,18 +58,37 @@ def test_edits_through_a_mount_merge_with_sdk_edits(
             os.unlink(where / "src" / "gone.c")
             # Another agent, meanwhile, changes the end of the same file.
             tail = CONF.index(b"line 1999")
-            client.edit(theirs["id"], "/image.conf", tail, tail + 9, b"line LAST")
+            client.edit(theirs["id"], "/image.conf", tail, tail + 9, b"line LAST, longer")
             assert client.submit(theirs["id"])["ok"]
             result = client.submit(mine["id"])  # runs the barrier: no fsync was needed
             assert result["ok"], result["conflicts"]
             assert result["version"] == 2
-        expected = CONF.replace(b"quality=80", b"quality=90").replace(b"line 1999", b"line LAST")
-        assert client.read(green, "/image.conf") == expected
-        names = {entry["name"] for entry in client.list(green, "/src")}
-        assert names == {"new.c", "renamed.c"}
-        assert client.read(green, "/src/renamed.c") == b"int old;\n"
-        changed = client.changed_since(green, 1)
-        assert set(changed) >= {"/image.conf", "/src/new.c", "/src/renamed.c", "/src/gone.c"}
+            expected = CONF.replace(b"quality=80", b"quality=90").replace(
+                b"line 1999", b"line LAST, longer"
+            )
+            # The mount moved onto version 2: it shows the other agent's work too.
+            names = sorted(p.name for p in (where / "src").iterdir())
+            assert names == ["new.c", "renamed.c"]
+            if writeback:
+                check_the_head(client, green, project, expected)
+                pytest.xfail(
+                    "FUSE's writeback cache keeps the kernel's own file sizes: a size change "
+                    "that another agent's accepted version brings does not reach a --writeback "
+                    "mount after the move (README: --writeback is for volumes only the mount "
+                    "changes)"
+                )
+            assert (where / "image.conf").read_bytes() == expected
+            assert (where / "image.conf").stat().st_size == len(expected)
+        check_the_head(client, green, project, expected)
+
+
+def check_the_head(client: Client, green: str, project: Path, expected: bytes) -> None:
+    assert client.read(green, "/image.conf") == expected
+    names = {entry["name"] for entry in client.list(green, "/src")}
+    assert names == {"new.c", "renamed.c"}
+    assert client.read(green, "/src/renamed.c") == b"int old;\n"
+    changed = client.changed_since(green, 1)
+    assert set(changed) >= {"/image.conf", "/src/new.c", "/src/renamed.c", "/src/gone.c"}
     # The base directory is never written.
     assert (project / "image.conf").read_bytes() == CONF
     assert sorted(p.name for p in (project / "src").iterdir()) == ["gone.c", "old.c"]

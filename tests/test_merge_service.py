@@ -24,6 +24,7 @@ from slates.core.host import Host
 from slates.core.records import DirItem, Kind
 from slates.core.volume import ROOT_INO, Volume
 from slates.merge.changes import Edit
+from slates.merge.ranges import Replace
 from slates.merge.ranges import apply as apply_edits
 from slates.node.protocol import Request
 from slates.node.service import Event, ShardService
@@ -1079,3 +1080,33 @@ def test_a_restored_service_continues_the_ledger_like_the_original() -> None:
         assert reply["ok"] and verdict(reply["result"]) == (True, 3, []), reply
         head = volume_tree(other.volumes[green])
         assert head == {"/image.conf": b"quality=90\ncache=on\n"}
+
+
+def test_a_rewrite_too_large_to_refine_is_submitted_whole_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import slates.merge.refine as refining
+
+    monkeypatch.setattr(refining, "REFINE_LIMIT", 16)  # 64 MiB in the product
+    service = Service()
+    green = service.green({"/image.conf": CONF, "/small": b"a b\n"})
+    work = service.work(green)
+    service.call("write", volume=work, path="/image.conf", data=CONF + b"x=1\n", truncate=True)
+    service.call("write", volume=work, path="/small", data=b"a c\n", truncate=True)
+    result = service.submit(work)
+    assert result["ok"] and result["literal"] == ["/image.conf"], result
+    assert result["refined"] == ["/small"], result
+    (edit,) = [
+        c
+        for c in service.svc.greens[green][-1].originals
+        if isinstance(c, Edit) and c.path == "/image.conf"
+    ]
+    assert edit.edits == (Replace(0, len(CONF), CONF + b"x=1\n"),) and not edit.rewrite
+
+
+@pytest.mark.parametrize("pattern", ["!", "", "a\nb", "#comment", "x/../y"])
+def test_a_private_pattern_that_is_not_gitignore_syntax_is_refused(pattern: str) -> None:
+    service = Service()
+    reply = service.raw("green.create", name="g", private=[pattern])
+    assert reply["ok"] is False and reply["error"]["code"] == "InvalidArgument", reply
+    assert service.svc.greens == {} and service.svc.volumes == {}  # nothing was made

@@ -35,10 +35,10 @@ from typing import Any
 
 from slates.core.records import Kind
 from slates.errors import InvalidArgument
+from slates.merge import refine as refining
 from slates.merge.changes import Add, Change, Edit, Link, Meta, Move, Remove
 from slates.merge.private import PrivateMatcher, PrivatePolicy
 from slates.merge.ranges import Replace
-from slates.merge.refine import refine, worth_refining
 
 __all__ = ["GreenPolicy", "Submission", "prepare", "REWRITES"]
 
@@ -199,11 +199,16 @@ def prepare(
         if not isinstance(change, Edit):
             out.append(change)
             continue
-        if policy.rewrites == "exact" or not worth_refining(base_size(change.ino), change.edits):
+        size = base_size(change.ino)
+        if policy.rewrites == "exact" or not refining.worth_refining(size, change.edits):
             out.append(change)
             continue
         new = folded.get(change.ino)
-        smaller = refine(base_whole(change.ino), work_whole(change.ino) if new is None else new)
+        smaller = refining.refine(
+            base_whole(change.ino),
+            work_whole(change.ino) if new is None else new,
+            limit=refining.REFINE_LIMIT,
+        )
         if smaller is None:
             literal.append(change.path)
             out.append(change)
