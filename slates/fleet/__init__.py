@@ -1,1 +1,11 @@
-"""Many hosts: the replicated ledger's pure protocol and its drivers (DESIGN.md section 7)."""
+"""Many hosts: the replicated ledger's pure protocol and its drivers (DESIGN.md section 7).
+
+Pure machines (records in, messages and results out, time passed in):
+`config` (the configuration as an input), `messages` (records and their
+msgpack form), `ledger` (version values, chunks, recomputation), `holder`
+(the acceptor), `owner` with `flight`, `copies`, `recovery` and `results`
+(the proposer, its durability knowledge, failover and saved results), and
+`node` (one host's machines).  The deterministic simulator: `sim` (entry
+point, `python -m slates.fleet.sim`), `world`, `council`, `simclients` and
+`invariants`; `scripted` is a hand-scripted network for scenario tests.
+"""
