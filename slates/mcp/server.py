@@ -161,8 +161,9 @@ Offset = Annotated[int, Field(ge=0, description="Byte offset (0-based).")]
 class SlatesTools:
     """The tools: each a plain (blocking) method over one lazily opened slates.Client."""
 
-    def __init__(self, runtime_dir: str | Path | None = None) -> None:
+    def __init__(self, runtime_dir: str | Path | None = None, token: str | None = None) -> None:
         self.runtime_dir = runtime_dir
+        self.token = token  # an agent's credential: the session acts as that agent
         self._client: Client | None = None
         self._lock = threading.Lock()
 
@@ -171,7 +172,7 @@ class SlatesTools:
         """The shared client, opened on first use (so a missing anchor is a tool error)."""
         with self._lock:
             if self._client is None:
-                self._client = Client(self.runtime_dir)
+                self._client = Client(self.runtime_dir, token=self.token)
             return self._client
 
     def close(self) -> None:
@@ -541,9 +542,11 @@ def build_server(tools: SlatesTools) -> MCPServer[Any]:
     )
 
 
-def run_stdio(runtime_dir: str | Path | None = None) -> None:
-    """Serve on stdin/stdout until the client closes stdin; then close the Slates client."""
-    tools = SlatesTools(runtime_dir)
+def run_stdio(runtime_dir: str | Path | None = None, token: str | None = None) -> None:
+    """Serve on stdin/stdout until the client closes stdin; then close the Slates client.
+
+    With `token` (an agent's credential) every tool acts as that agent."""
+    tools = SlatesTools(runtime_dir, token)
     try:
         build_server(tools).run("stdio")
     finally:

@@ -118,9 +118,15 @@ class _ShardSlot:
 
 
 class Anchor:
-    def __init__(self, runtime: Runtime, shards: int, capacity: int) -> None:
+    def __init__(
+        self, runtime: Runtime, shards: int, capacity: int, allow_roots: tuple[str, ...] = ()
+    ) -> None:
         if shards < 1:
             raise InvalidArgument("an anchor needs at least one shard", shards=shards)
+        for root in allow_roots:
+            if not os.path.isabs(root) or not os.path.isdir(root):
+                raise InvalidArgument("an allowed root is an existing directory", root=root)
+        self.allow_roots = tuple(os.path.realpath(root) for root in allow_roots)
         self.runtime = runtime
         self.capacity = capacity
         self.slots: list[_ShardSlot] = []
@@ -185,6 +191,7 @@ class Anchor:
             "--listen-fd", str(listen),
             "--capacity", str(self.capacity // self.shard_count),
             "--approver-key", str(self.runtime.approver_key_file),
+            *(arg for root in self.allow_roots for arg in ("--allow-root", root)),
         ]  # fmt: skip
         slot.process = subprocess.Popen(command, pass_fds=slot.fds)
 
@@ -489,9 +496,18 @@ def _log(message: str) -> None:
     print(f"slates anchor: {message}", file=sys.stderr, flush=True)
 
 
-def run_anchor(runtime: Runtime, shards: int, capacity: int, *, daemon: bool) -> int:
-    """Prepare, then serve in the foreground, or detach and return once serving."""
-    anchor = Anchor(runtime, shards, capacity)
+def run_anchor(
+    runtime: Runtime,
+    shards: int,
+    capacity: int,
+    *,
+    daemon: bool,
+    allow_roots: tuple[str, ...] = (),
+) -> int:
+    """Prepare, then serve in the foreground, or detach and return once serving.
+
+    `allow_roots`: where agents' bases and landing targets may lie."""
+    anchor = Anchor(runtime, shards, capacity, allow_roots)
     anchor.prepare()
     if not daemon:
         return anchor.run()
@@ -526,11 +542,13 @@ def spawn_anchor(
     log: IO[bytes] | int = subprocess.DEVNULL,
     env: dict[str, str] | None = None,
     timeout: float = 30.0,
+    allow_roots: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
     """Start `slates anchor` as a child process and return once it serves (demos, tests)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "slates_cli.main", "anchor", "--runtime-dir", str(runtime),
-         "--shards", str(shards), "--capacity", capacity],
+         "--shards", str(shards), "--capacity", capacity,
+         *(arg for root in allow_roots for arg in ("--allow-root", root))],
         stdout=log,
         stderr=log,
         env={**os.environ, **(env or {})},

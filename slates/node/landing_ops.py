@@ -136,9 +136,19 @@ class LandingOps:
                     self.service._emit,
                 )
                 result["manifest"] = self._manifest_ref(manifest.manifest_id)
+                if result["complete"]:
+                    self._note_landed(manifest.source)
                 return result
             case _:
                 raise InvalidArgument("unknown operation", op=op)
+
+    def _note_landed(self, source: str) -> None:
+        """A green version landed whole: the green no longer holds unlanded work up to it."""
+        for green, ledger in self.service.greens.items():
+            for version in ledger:
+                if version.snapshot_id == source:
+                    self.service._emit(["landed", green, version.number])
+                    return
 
     def _rewitness_merging(self, manifest: Manifest, paths: list[str] | None) -> dict[str, Any]:
         """`rewitness --merge`: every selected entry that would conflict because of an

@@ -51,6 +51,7 @@ __all__ = [
 
 MAX_FRAME = 64 << 20
 MAX_CLIENT_ID = 128
+MAX_TOKEN = 256
 _LENGTH = struct.Struct(">I")
 
 
@@ -105,6 +106,8 @@ class Hello:
     rings: bool
     watch: str | None = None  # a volume whose changes by other clients this connection hears
     mount: str | None = None  # the volume a mount bridge serves (its references end with it)
+    token: str | None = None  # an agent's credential (none: the operator's own user)
+    principal: str = ""  # who the shard found the peer to be ("" the operator, else an agent)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,10 +137,12 @@ def parse_hello(message: dict[str, Any]) -> Hello:
     client = _field(message, "client", str)
     if not client or len(client) > MAX_CLIENT_ID:
         raise InvalidArgument("a client id is 1 to 128 characters")
-    watch, mount = message.get("watch"), message.get("mount")
+    watch, mount, token = message.get("watch"), message.get("mount"), message.get("token")
     if any(value is not None and not isinstance(value, str) for value in (watch, mount)):
         raise InvalidArgument("watch and mount name a volume id")
-    return Hello(client, bool(message.get("rings", False)), watch, mount)
+    if token is not None and (not isinstance(token, str) or not 0 < len(token) <= MAX_TOKEN):
+        raise InvalidArgument("a token is a string of 1 to 256 characters")
+    return Hello(client, bool(message.get("rings", False)), watch, mount, token)
 
 
 def parse_request(message: dict[str, Any]) -> Request:

@@ -24,6 +24,9 @@ Events are plain lists:
     ["version", green, snapshot_id, base, work, changes, own edits]   a submission accepted
     ["based", vid, version]           a work volume was rebased onto the version
     ["held", vid, version, snapshot]  accepted, but no room to move: it keeps its base
+    ["client", client, principal]     a client id's first use binds it to its principal
+    ["owner", vid, principal]         an agent made this volume
+    ["landed", green, version]        a landing of that version completed
 Everything an event needs from outside (base facts, times) is inside it,
 so replay needs no base directory except to serve later reads.
 
@@ -52,6 +55,7 @@ from slates.core.records import Attr, Kind, Record, TakeSnapshot, decode, encode
 from slates.core.volume import NO_INO_LIMIT, BaseReader, Capacity, Snapshot, Volume, chunk_ids
 from slates.errors import (
     AccessDenied,
+    AlreadyExists,
     CapacityExhausted,
     InvalidArgument,
     IsADirectory,
@@ -74,6 +78,7 @@ from slates.node.args import str_arg as _str_arg
 from slates.node.fsops import run_fs_op
 from slates.node.landing import LandingDesk
 from slates.node.landing_ops import LandingOps
+from slates.node.principals import OPERATOR, Principal, authorize
 from slates.node.protocol import Request, error_reply, ok_reply, shard_of
 
 __all__ = ["ShardService", "MAX_UNACKED", "READ_ONLY_OPS", "shard_of"]
@@ -195,8 +200,11 @@ class ShardService:
         open_base: Callable[[str], BaseReader],
         approver_key: bytes | None = None,
         protected: tuple[str, ...] = (),
+        allow_roots: tuple[str, ...] = (),
     ) -> None:
         self.index = index
+        # Where agents may name bases and landing targets (the operator anywhere).
+        self.allow_roots = tuple(os.path.realpath(root) for root in allow_roots)
         self.host = host
         self.open_base = open_base
         self.volumes: dict[str, Volume] = {}
@@ -213,6 +221,11 @@ class ShardService:
         self.greens: dict[str, list[Version]] = {}  # green volume id -> its ledger
         self.works: dict[str, tuple[str, int]] = {}  # work volume id -> (green, base version)
         self.green_policies: dict[str, GreenPolicy] = {}
+        # Connections of mount bridges, per volume (not journaled: bridges reconnect).
+        self.mounted: dict[str, int] = {}
+        self.landed: dict[str, int] = {}  # green -> the newest version a landing completed
+        self.owners: dict[str, str] = {}  # volume id -> the agent that made it (operator: absent)
+        self.client_principals: dict[str, str] = {}  # client id -> its principal's name
         self.work_counts: dict[str, int] = {}  # green -> work volumes made (numbering ranges)
         # Invalidations for mounts whose volume moved onto another version.
         self.moved: dict[str, list[list[Any]]] = {}
@@ -235,12 +248,20 @@ class ShardService:
     # -- requests -------------------------------------------------------------
 
     def handle(
-        self, client: str, request: Request, now_ns: int
+        self, client: str, request: Request, now_ns: int, principal: Principal = OPERATOR
     ) -> tuple[dict[str, Any], list[Event]]:
-        """Run one request; returns (reply, events to commit before replying)."""
+        """Run one request; returns (reply, events to commit before replying).
+
+        A client id belongs to the principal that first used it: saved replies
+        (grant tokens among them) are never answered to another principal.
+        """
         self._events = []
         self.applied = []
         self._client = client
+        bound = self.client_principals.get(client)
+        if bound is not None and bound != principal.name:
+            denied = AccessDenied("that client id belongs to another principal", client=client)
+            return error_reply(request.seq, denied), []
         if request.seq <= self.acked.get(client, 0):
             expired = RequestExpired("the request was already acknowledged", seq=request.seq)
             return error_reply(request.seq, expired), []
@@ -249,12 +270,18 @@ class ShardService:
             return saved, []
         if request.ack > self.acked.get(client, 0):
             self._emit(["ack", client, request.ack])
+        if bound is None:
+            self._emit(["client", client, principal.name])
         mutating = request.op not in READ_ONLY_OPS
         if mutating and len(self.results.get(client, {})) >= MAX_UNACKED:
             error = InvalidArgument("too many unacknowledged requests", limit=MAX_UNACKED)
             return error_reply(request.seq, error), self._take_events()
         try:
-            reply = ok_reply(request.seq, self._run(request.op, request.args, now_ns))
+            authorize(principal, request.op, request.args, self.owners, self.greens, self._allowed)
+            result = self._run(request.op, request.args, now_ns)
+            if not principal.is_operator:
+                result = self._as_agent(principal, request.op, result)
+            reply = ok_reply(request.seq, result)
         except SlatesError as exc:
             reply = error_reply(request.seq, exc)
         except Exception as exc:  # a bug: answer it, and keep memory and journal in step
@@ -265,6 +292,61 @@ class ShardService:
         if mutating:
             self._emit(["done", client, request.seq, reply])
         return reply, self._take_events()
+
+    def _allowed(self, path: object) -> bool:
+        """Whether `path` lies under a root the operator allowed agents."""
+        if not isinstance(path, str) or not path.startswith("/"):
+            return False
+        real = os.path.realpath(path)
+        return any(
+            real == root or real.startswith(root.rstrip("/") + "/") for root in self.allow_roots
+        )
+
+    def _check_deletable(self, vid: str) -> None:
+        """Refuse to delete what someone still uses (`--force` deletes it anyway): a
+        mounted volume, a green with live work volumes or with versions no landing
+        has written to disk yet."""
+        if self.mounted.get(vid):
+            raise InvalidArgument(
+                "the volume is mounted: unmount it first (or delete with --force)", volume=vid
+            )
+        if vid in self.greens:
+            works = sorted(w for w, (green, _base) in self.works.items() if green == vid)
+            if works:
+                raise InvalidArgument(
+                    f"the green volume has {len(works)} work volumes: delete them first "
+                    "(or delete with --force)",
+                    volume=vid,
+                    works=works[:10],
+                )
+            head = len(self.greens[vid]) - 1
+            landed = self.landed.get(vid, 0)
+            if head > landed:
+                raise InvalidArgument(
+                    f"versions {landed + 1} to {head} of this green volume were never landed: "
+                    "land them, or delete with --force",
+                    volume=vid,
+                )
+
+    def _check_name(self, name: str) -> None:
+        """Names are unique among the live volumes of a shard."""
+        if name in self.names.values() and not name.endswith(" (capturing)"):
+            taken = next(v for v, n in self.names.items() if n == name)
+            raise AlreadyExists(f"volume {taken} has that name already", name=name, volume=taken)
+
+    def _as_agent(self, principal: Principal, op: str, result: Any) -> Any:
+        """An agent's view of a result: it owns what it made, and lists only its own
+        volumes and the greens."""
+        if op in ("volume.create", "work.create") and isinstance(result, dict):
+            self._emit(["owner", str(result["id"]), principal.name])
+            return {**result, "owner": principal.label}
+        if op == "volume.list" and isinstance(result, list):
+            return [
+                v
+                for v in result
+                if self.owners.get(v["id"]) == principal.name or v["id"] in self.greens
+            ]
+        return result
 
     def release_mount(self, vid: str) -> list[Event]:
         """A mount's connection ended: drop the kernel references it held (journaled)."""
@@ -330,6 +412,8 @@ class ShardService:
                 vid = _str_arg(args, "volume")
                 if vid not in self.volumes and vid not in self.failed:
                     raise NotFound("no such volume", volume=vid)
+                if not _bool_arg(args, "force"):
+                    self._check_deletable(vid)
                 self._emit(["drop", vid])  # a failed volume can be deleted too
                 return {"deleted": vid}
             case "bye":
@@ -481,6 +565,7 @@ class ShardService:
 
     def _create_volume(self, args: dict[str, Any], now: int) -> dict[str, Any]:
         name = _str_arg(args, "name")
+        self._check_name(name)
         capacity = _capacity(args)
         case_insensitive = bool(args.get("case_insensitive", False))
         base_path, source = args.get("base"), args.get("from")
@@ -524,6 +609,7 @@ class ShardService:
         return self.info(vid)
 
     def _clone(self, args: dict[str, Any], capacity: Capacity | None = None) -> dict[str, Any]:
+        self._check_name(_str_arg(args, "name"))
         snapshot_id = _str_arg(args, "snapshot")
         if snapshot_id not in self.snapshots:
             raise NotFound("no such snapshot on this shard", snapshot=snapshot_id)
@@ -1092,6 +1178,8 @@ class ShardService:
                 self.volumes[vid] = fresh
                 self._watch(vid, fresh)
             case ["drop", str(vid)]:
+                self.owners.pop(vid, None)
+                self.landed.pop(vid, None)
                 self.greens.pop(vid, None)
                 self.green_policies.pop(vid, None)
                 self.work_counts.pop(vid, None)
@@ -1108,6 +1196,13 @@ class ShardService:
             case ["bye", str(client)]:
                 self.results.pop(client, None)
                 self.acked.pop(client, None)
+                self.client_principals.pop(client, None)
+            case ["client", str(client), str(name)]:
+                self.client_principals[client] = name
+            case ["owner", str(vid), str(name)]:
+                self.owners[vid] = name
+            case ["landed", str(green), int(version)]:
+                self.landed[green] = max(self.landed.get(green, 0), version)
             case ["ack", str(client), int(upto)]:
                 self.acked[client] = max(self.acked.get(client, 0), upto)
                 saved = self.results.get(client, {})
@@ -1210,6 +1305,9 @@ class ShardService:
             },
             "works": {vid: list(found) for vid, found in self.works.items()},
             "green_policies": {g: p.to_wire() for g, p in self.green_policies.items()},
+            "owners": self.owners,
+            "landed": self.landed,
+            "client_principals": self.client_principals,
             "work_counts": self.work_counts,
             "green_sources": self.green_sources,
             "held": {vid: list(found) for vid, found in self.held.items()},
@@ -1262,6 +1360,9 @@ class ShardService:
                 str(g): GreenPolicy.from_wire(p) for g, p in meta["green_policies"].items()
             }
             self.work_counts = {str(g): int(n) for g, n in meta["work_counts"].items()}
+            self.owners = {str(v): str(n) for v, n in meta["owners"].items()}
+            self.landed = {str(g): int(n) for g, n in meta["landed"].items()}
+            self.client_principals = {str(c): str(n) for c, n in meta["client_principals"].items()}
             self.held = {vid: (int(v), str(s)) for vid, (v, s) in meta["held"].items()}
             self.desk.restore(meta["landing"])
         except (KeyError, TypeError, ValueError, InvalidArgument) as exc:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import array
 import ctypes
+import dataclasses
 import os
 import signal
 import socket
@@ -55,6 +56,7 @@ from slates.core.records import (
 )
 from slates.errors import AccessDenied, InvalidArgument, NotFound, SlatesError
 from slates.node.journal import ArenaChunks, Checkpoints, Journal, Segment
+from slates.node.principals import Agents, Principal
 from slates.node.protocol import (
     MAX_FRAME,
     FrameReader,
@@ -112,19 +114,26 @@ class Shard:
         capacity: int,
         approver_key: bytes | None = None,
         protected: tuple[str, ...] = (),
+        allow_roots: tuple[str, ...] = (),
     ) -> None:
         self.index = index
         self.journal = Journal(Segment(journal_fd))
         self.checkpoints = Checkpoints(Segment(checkpoint_fd))
         self.host = Host(capacity=capacity, chunks=ArenaChunks(Segment(arena_fd)))
         self.service = ShardService(
-            index, self.host, LiveDirectory, approver_key, protected=protected
+            index,
+            self.host,
+            LiveDirectory,
+            approver_key,
+            protected=protected,
+            allow_roots=allow_roots,
         )
         self.connections = 0
         self.watchers: dict[str, set[Watcher]] = {}
         self.pending: dict[str, list[list[Any]]] = {}
         self.drifted: dict[str, list[list[Any]]] = {}
         self.background: trio.Nursery | None = None
+        self.agents = Agents(protected[0]) if protected else None
 
     # -- recovery and commits -------------------------------------------------
 
@@ -175,7 +184,9 @@ class Shard:
             return pack(error_reply(0, exc))
         if self.journal.committed > CHECKPOINT_EVERY_BYTES:
             self.checkpoint()  # between requests: the state is exactly the journal's
-        reply, events = self.service.handle(hello.client, request, time.time_ns())
+        reply, events = self.service.handle(
+            hello.client, request, time.time_ns(), Principal(hello.principal)
+        )
         self.commit(events)
         self.service.collect_garbage()
         for vid, notes in invalidations(self.service.applied).items():
@@ -249,8 +260,7 @@ class Shard:
             hello_frame = await receive_frame(conn, reader)
             if hello_frame is None:
                 return
-            hello = parse_hello(unpack(hello_frame))
-            self._check_peer(conn)
+            hello = self._authenticate(parse_hello(unpack(hello_frame)), self._check_peer(conn))
         except SlatesError as exc:
             await send_all(conn, frame(pack(error_reply(0, exc))))
             return
@@ -272,10 +282,15 @@ class Shard:
                 await self.deliver(hello.client)
                 await send_all(conn, frame(reply))
             return
+        if hello.mount is not None:
+            self.service.mounted[hello.mount] = self.service.mounted.get(hello.mount, 0) + 1
         try:
             await self._serve_rings(conn, reader, hello, answer)
         finally:
             if hello.mount is not None:  # the bridge is gone: so are the kernel's references
+                left = self.service.mounted.pop(hello.mount, 1) - 1
+                if left:
+                    self.service.mounted[hello.mount] = left
                 self.commit(self.service.release_mount(hello.mount))
 
     async def _serve_rings(
@@ -334,11 +349,24 @@ class Shard:
         while (message := await receive_frame(conn, reader)) is not None:
             watcher.acknowledged(unpack(message))
 
-    def _check_peer(self, conn: trio.socket.SocketType) -> None:
+    def _check_peer(self, conn: trio.socket.SocketType) -> int:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
         _pid, uid, _gid = _UCRED.unpack(creds)
+        return int(uid)
+
+    def _authenticate(self, hello: Hello, uid: int) -> Hello:
+        """The peer's principal: the agent its token names, else the operator (the
+        anchor's own user or root, with no token)."""
+        if hello.token is not None:
+            if self.agents is None:
+                raise AccessDenied("this service has no agents")
+            principal = self.agents.authenticate(hello.token)
+            if hello.watch is not None or hello.mount is not None:
+                raise AccessDenied("only the operator serves mounts", principal=principal.label)
+            return dataclasses.replace(hello, token=None, principal=principal.name)
         if uid not in (0, os.geteuid()):
             raise AccessDenied("this service belongs to another user", peer_uid=uid)
+        return hello
 
 
 async def receive_frame(conn: trio.socket.SocketType, reader: FrameReader) -> bytes | None:
@@ -453,6 +481,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--listen-fd", type=int, required=True)
     parser.add_argument("--capacity", type=int, required=True)
     parser.add_argument("--approver-key", default=None, help="the approver credential file")
+    parser.add_argument(
+        "--allow-root", action="append", default=[], help="where agents' bases may lie"
+    )
     args = parser.parse_args(argv)
     _die_with_parent()
     key = None
@@ -472,6 +503,7 @@ def main(argv: list[str] | None = None) -> None:
         args.capacity,
         key,
         protected,
+        tuple(args.allow_root),
     )
     started = time.monotonic()
     replayed = shard.recover()

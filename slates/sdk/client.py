@@ -80,16 +80,21 @@ class AsyncClient:
         *,
         client_id: str | None = None,
         rings: bool = True,
+        token: str | None = None,
     ) -> None:
+        """`token`: an agent's credential (`slates agent add`); default $SLATES_TOKEN,
+        else none: the client acts as the operator (the anchor's own user)."""
         self.runtime = Runtime(runtime_dir)
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.rings = rings
+        self.token = token if token is not None else os.environ.get("SLATES_TOKEN") or None
         self._shards: list[ShardConnection] = []
 
     async def __aenter__(self) -> AsyncClient:
         state = self.runtime.read_state()
         self._shards = [
-            ShardConnection(shard.socket, self.client_id, self.rings) for shard in state.shards
+            ShardConnection(shard.socket, self.client_id, self.rings, self.token)
+            for shard in state.shards
         ]
         return self
 
@@ -278,8 +283,13 @@ class AsyncClient:
         result: dict[str, Any] = (await self.show_volume(volume))["counters"]
         return result
 
-    async def delete_volume(self, volume: str) -> None:
-        await self._on(volume, "volume.delete", volume=volume)
+    async def delete_volume(self, volume: str, *, force: bool = False) -> None:
+        """Delete a volume.  Refused, unless `force`, while it is mounted, and for a green
+        volume while it has work volumes or versions no landing has written yet."""
+        if force:
+            await self._on(volume, "volume.delete", volume=volume, force=True)
+        else:
+            await self._on(volume, "volume.delete", volume=volume)
 
     async def snapshot(self, volume: str) -> str:
         await self._barrier(volume)

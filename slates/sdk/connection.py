@@ -36,10 +36,11 @@ class _ConnectionLost(Exception):
 
 
 class ShardConnection:
-    def __init__(self, path: str, client_id: str, rings: bool) -> None:
+    def __init__(self, path: str, client_id: str, rings: bool, token: str | None = None) -> None:
         self.path = path
         self.client_id = client_id
         self.rings = rings
+        self.token = token
         self.sock: trio.socket.SocketType | None = None
         self.pair: RingPair | None = None
         self.reader = FrameReader()
@@ -51,7 +52,10 @@ class ShardConnection:
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             await sock.connect(self.path)
-            await send_all(sock, frame(pack({"client": self.client_id, "rings": self.rings})))
+            hello: dict[str, object] = {"client": self.client_id, "rings": self.rings}
+            if self.token is not None:
+                hello["token"] = self.token
+            await send_all(sock, frame(pack(hello)))
             self.reader = FrameReader()
             fds: list[int] = []
             while (answer := self.reader.next_frame()) is None:

@@ -1,0 +1,75 @@
+"""Safe administration (issue 13, item 6): what someone still uses is not deleted silently.
+
+A green volume with live work volumes, or with versions no landing has
+written to disk, and a mounted volume are refused by `volume delete`
+unless forced; names are unique among a shard's live volumes.  In-process
+for the rules, a real mount for the mounted case.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from slates import Client
+from slates.errors import InvalidArgument
+from tests.anchor_fixture import Service as Anchor
+from tests.anchor_fixture import service
+from tests.test_merge_service import Service
+from tests.test_mount import mounted
+
+__all__ = ["service"]
+
+
+def test_a_green_with_work_volumes_or_unlanded_versions_is_not_deleted_unless_forced() -> None:
+    svc = Service()
+    green = svc.green({"/a": b"a\n"})  # version 1 holds /a
+    work = svc.work(green)
+    refused = svc.raw("volume.delete", volume=green)
+    assert refused["ok"] is False and "work volumes" in refused["error"]["message"], refused
+    for each in [w for w, (g, _v) in svc.svc.works.items() if g == green]:
+        assert svc.raw("volume.delete", volume=each)["ok"]  # also the one that made v1
+    assert work not in svc.svc.volumes
+    refused = svc.raw("volume.delete", volume=green)
+    assert refused["ok"] is False and "never landed" in refused["error"]["message"], refused
+    assert green in svc.svc.greens  # nothing changed
+    assert svc.raw("volume.delete", volume=green, force=True)["ok"]
+    assert green not in svc.svc.greens and green not in svc.svc.volumes
+
+
+def test_an_empty_green_and_a_plain_volume_are_deleted_at_once() -> None:
+    svc = Service()
+    green = svc.call("green.create", name="g")["id"]
+    plain = svc.call("volume.create", name="p")["id"]
+    assert svc.raw("volume.delete", volume=green)["ok"]
+    assert svc.raw("volume.delete", volume=plain)["ok"]
+
+
+@pytest.mark.parametrize("op", ["green.create", "volume.create"])
+def test_names_are_unique_among_live_volumes(op: str) -> None:
+    svc = Service()
+    first = svc.call(op, name="main")["id"]
+    again = svc.raw(op, name="main")
+    assert again["ok"] is False and again["error"]["code"] == "AlreadyExists", again
+    if op == "green.create":  # a work volume cannot take its green's name either
+        assert svc.raw("work.create", green=first, name="main")["ok"] is False
+    assert svc.raw("volume.delete", volume=first, force=True)["ok"]
+    assert svc.raw(op, name="main")["ok"]  # free again once deleted
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/dev/fuse") or os.geteuid() != 0,
+    reason="FUSE mounts need /dev/fuse and root (CI has both)",
+)
+def test_a_mounted_volume_is_not_deleted_unless_forced(service: Anchor, tmp_path: Path) -> None:
+    with Client(service.runtime) as client:
+        volume = client.create_volume("mounted")["id"]
+        with mounted(client, volume, tmp_path / "mnt") as where:
+            (where / "f").write_bytes(b"kept\n")
+            with pytest.raises(InvalidArgument, match="mounted"):
+                client.delete_volume(volume)
+            assert (where / "f").read_bytes() == b"kept\n"
+        client.delete_volume(volume)  # unmounted: it goes
+        assert volume not in {v["id"] for v in client.list_volumes()}
