@@ -28,7 +28,7 @@ from typing import Any
 
 import msgpack
 
-from slates.errors import InvalidArgument, SlatesError, error_from_wire
+from slates.errors import CapacityExhausted, InvalidArgument, SlatesError, error_from_wire
 
 __all__ = [
     "shard_of",
@@ -41,6 +41,7 @@ __all__ = [
     "unpack",
     "frame",
     "FrameReader",
+    "Budget",
     "parse_hello",
     "parse_request",
     "parse_reply",
@@ -78,23 +79,61 @@ def frame(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
-class FrameReader:
-    """Reassembles frames from stream chunks; bounded by MAX_FRAME."""
+class Budget:
+    """Bytes that one principal's connections may hold in partial frames, together."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def charge(self, delta: int) -> None:
+        if delta > 0 and self.used + delta > self.limit:
+            raise CapacityExhausted(
+                "this principal's connections hold too many unfinished frames",
+                limit=self.limit,
+            )
+        self.used += delta
+
+
+class FrameReader:
+    """Reassembles frames from stream chunks; bounded by `limit` (MAX_FRAME), and the bytes
+    of an unfinished frame charged to `budget` (the principal's) while they wait."""
+
+    def __init__(self, limit: int = MAX_FRAME, budget: Budget | None = None) -> None:
         self._buffer = bytearray()
         self._frames: collections.deque[bytes] = collections.deque()
+        self.limit = limit
+        self.budget = budget
 
     def feed(self, data: bytes) -> None:
+        if self.budget is not None:
+            self.budget.charge(len(data))
+        before = len(self._buffer)
         self._buffer += data
-        while len(self._buffer) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self._buffer)
-            if length > MAX_FRAME:
-                raise InvalidArgument("frame too large", size=length, limit=MAX_FRAME)
-            if len(self._buffer) < _LENGTH.size + length:
-                break
-            self._frames.append(bytes(self._buffer[_LENGTH.size : _LENGTH.size + length]))
-            del self._buffer[: _LENGTH.size + length]
+        try:
+            while len(self._buffer) >= _LENGTH.size:
+                (length,) = _LENGTH.unpack_from(self._buffer)
+                if length > self.limit:
+                    raise InvalidArgument("frame too large", size=length, limit=self.limit)
+                if len(self._buffer) < _LENGTH.size + length:
+                    break
+                self._frames.append(bytes(self._buffer[_LENGTH.size : _LENGTH.size + length]))
+                del self._buffer[: _LENGTH.size + length]
+        finally:
+            if self.budget is not None:
+                self.budget.charge(len(self._buffer) - before - len(data))
+
+    def charge_to(self, budget: Budget) -> None:
+        """From now on, what waits here counts against `budget`."""
+        budget.charge(len(self._buffer))
+        self.budget = budget
+
+    def release(self) -> None:
+        """The connection ended: its unfinished frame no longer counts."""
+        if self.budget is not None:
+            self.budget.charge(-len(self._buffer))
+            self.budget = None
+        self._buffer.clear()
 
     def next_frame(self) -> bytes | None:
         return self._frames.popleft() if self._frames else None

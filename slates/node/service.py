@@ -84,6 +84,8 @@ from slates.node.protocol import Request, error_reply, ok_reply, shard_of
 __all__ = ["ShardService", "MAX_UNACKED", "READ_ONLY_OPS", "shard_of"]
 
 MAX_UNACKED = 1024
+MAX_AGENT_VOLUMES = 256  # per agent and shard
+MAX_AGENT_CLIENTS = 64  # client ids with saved replies, per agent and shard
 MAX_READ_BYTES = 16 << 20  # one reply stays well under the 64 MiB frame limit
 READ_ONLY_OPS = frozenset(
     {"status", "volume.list", "volume.show", "read", "list", "stat", "readlink"}
@@ -271,6 +273,15 @@ class ShardService:
         if request.ack > self.acked.get(client, 0):
             self._emit(["ack", client, request.ack])
         if bound is None:
+            if not principal.is_operator and (
+                sum(1 for name in self.client_principals.values() if name == principal.name)
+                >= MAX_AGENT_CLIENTS
+            ):
+                full = CapacityExhausted(
+                    "this agent has too many client ids with saved replies: end some (bye)",
+                    limit=MAX_AGENT_CLIENTS,
+                )
+                return error_reply(request.seq, full), []
             self._emit(["client", client, principal.name])
         mutating = request.op not in READ_ONLY_OPS
         if mutating and len(self.results.get(client, {})) >= MAX_UNACKED:
@@ -278,6 +289,13 @@ class ShardService:
             return error_reply(request.seq, error), self._take_events()
         try:
             authorize(principal, request.op, request.args, self.owners, self.greens, self._allowed)
+            if request.op in ("volume.create", "work.create") and not principal.is_operator:
+                owned = sum(1 for name in self.owners.values() if name == principal.name)
+                if owned >= MAX_AGENT_VOLUMES:
+                    raise CapacityExhausted(
+                        "this agent has as many volumes as it may: delete some",
+                        limit=MAX_AGENT_VOLUMES,
+                    )
             result = self._run(request.op, request.args, now_ns)
             if not principal.is_operator:
                 result = self._as_agent(principal, request.op, result)

@@ -54,11 +54,12 @@ from slates.core.records import (
     Unlink,
     Write,
 )
-from slates.errors import AccessDenied, InvalidArgument, NotFound, SlatesError
+from slates.errors import AccessDenied, CapacityExhausted, InvalidArgument, NotFound, SlatesError
 from slates.node.journal import ArenaChunks, Checkpoints, Journal, Segment
 from slates.node.principals import Agents, Principal
 from slates.node.protocol import (
     MAX_FRAME,
+    Budget,
     FrameReader,
     Hello,
     error_reply,
@@ -83,6 +84,20 @@ __all__ = [
 # Journal bytes that trigger a checkpoint (bounds replay); tests set it small.
 CHECKPOINT_EVERY_BYTES = int(os.environ.get("SLATES_CHECKPOINT_BYTES", 64 << 20))
 MAX_CONNECTIONS = 256
+MAX_HELLO = 64 << 10  # a hello is small; nothing bigger is read before it
+HELLO_SECONDS = 5.0  # a connection that sends no hello in time is closed
+MAX_AGENT_CONNECTIONS = 32  # per agent and shard; the operator has the shard's whole bound
+MAX_AGENT_BUFFERED = 128 << 20  # unfinished frames of one agent's connections, together
+
+
+@dataclasses.dataclass
+class _Usage:
+    """What one principal holds of a shard's connections."""
+
+    budget: Budget
+    connections: int = 0
+
+
 MIN_APPROVER_KEY = 32  # bytes: a shorter (an empty) credential approves nothing
 # Each ring carries messages up to half its capacity: 4 MiB rings hold a
 # mount's 1 MiB reads and writes with their envelope, so only SDK calls
@@ -134,6 +149,7 @@ class Shard:
         self.drifted: dict[str, list[list[Any]]] = {}
         self.background: trio.Nursery | None = None
         self.agents = Agents(protected[0]) if protected else None
+        self.usage: dict[str, _Usage] = {}
 
     # -- recovery and commits -------------------------------------------------
 
@@ -255,15 +271,32 @@ class Shard:
             self.connections -= 1
 
     async def _converse(self, conn: trio.socket.SocketType) -> None:
-        reader = FrameReader()
+        reader = FrameReader(MAX_HELLO)
         try:
-            hello_frame = await receive_frame(conn, reader)
-            if hello_frame is None:
-                return
+            with trio.move_on_after(HELLO_SECONDS) as waiting:
+                hello_frame = await receive_frame(conn, reader)
+            if waiting.cancelled_caught or hello_frame is None:
+                return  # a client that says nothing in time holds no connection
             hello = self._authenticate(parse_hello(unpack(hello_frame)), self._check_peer(conn))
+            usage = self.usage.setdefault(hello.principal, _Usage(Budget(MAX_AGENT_BUFFERED)))
+            if hello.principal and usage.connections >= MAX_AGENT_CONNECTIONS:
+                raise CapacityExhausted(
+                    "this agent has too many connections open", limit=MAX_AGENT_CONNECTIONS
+                )
         except SlatesError as exc:
             await send_all(conn, frame(pack(error_reply(0, exc))))
             return
+        reader.limit = MAX_FRAME
+        if hello.principal:  # agents' unfinished frames count, together, against their budget
+            reader.charge_to(usage.budget)
+        usage.connections += 1
+        try:
+            await self._serve(conn, reader, hello)
+        finally:
+            usage.connections -= 1
+            reader.release()
+
+    async def _serve(self, conn: trio.socket.SocketType, reader: FrameReader, hello: Hello) -> None:
         answer = frame(
             pack({"ok": True, "shard": self.index, "pid": os.getpid(), "rings": hello.rings})
         )
