@@ -63,6 +63,7 @@ MAX_RESTARTS = 20
 RESTART_WINDOW = 60.0
 _UCRED = struct.Struct("3i")
 CONTROL_SECONDS = 2.0
+MAX_CONTROL_FRAME = 64 << 10  # control requests are small
 BRIDGE_START_SECONDS = 60.0
 JOURNAL_SIZE = 4 << 30  # virtual sizes: memfds are sparse
 CHECKPOINT_SIZE = 8 << 30
@@ -260,8 +261,15 @@ class Anchor:
             try:
                 creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
                 _pid, uid, _gid = _UCRED.unpack(creds)
-                reader = FrameReader()
+                reader = FrameReader(MAX_CONTROL_FRAME)
+                deadline = time.monotonic() + CONTROL_SECONDS
                 while (payload := reader.next_frame()) is None:
+                    # The whole request within the deadline, not each byte: a client
+                    # sending a byte at a time cannot hold up supervision.
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise SlatesError("the control request did not arrive in time")
+                    conn.settimeout(left)
                     data = conn.recv(65536)
                     if not data:
                         return
