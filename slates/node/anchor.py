@@ -10,8 +10,8 @@ on the socket are served once it is ready.  The anchor never reads the
 segments or the requests; it only records pids in the runtime state file.
 
 Restarts are bounded: a shard that dies more than MAX_RESTARTS times within
-RESTART_WINDOW seconds is left down and the anchor reports it and exits
-non-zero rather than spinning.
+RESTART_WINDOW seconds is left down (its state says "failed") rather than
+spinning; the other shards and the anchor keep serving.
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ class _ShardSlot:
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     recent: deque[float] = field(default_factory=deque)
+    failed: bool = False
 
 
 class Anchor:
@@ -203,6 +204,7 @@ class Anchor:
                 s.process.pid if s.process else 0,
                 str(self.runtime.shard_socket(s.index)),
                 s.restarts,
+                "failed" if s.failed else "serving",
             )
             for s in self.slots
         )
@@ -239,9 +241,12 @@ class Anchor:
             while slot.recent and now - slot.recent[0] > RESTART_WINDOW:
                 slot.recent.popleft()
             if len(slot.recent) > MAX_RESTARTS:
-                _log(f"shard {slot.index} keeps dying; giving up")
-                self.stopping, self.exit_code = True, 1
-                return
+                # Only this shard's volumes are lost to it: the others keep serving.
+                _log(f"shard {slot.index} keeps dying; it is left down, the others go on")
+                slot.failed = True
+                slot.process = None
+                self._publish()
+                continue
             slot.restarts += 1
             self._start(slot)
             self._publish()

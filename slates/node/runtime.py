@@ -49,6 +49,7 @@ class ShardInfo:
     pid: int
     socket: str
     restarts: int
+    state: str = "serving"  # "failed": it kept dying and is left down; the others go on
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,13 @@ class AnchorState:
             "pid": self.pid,
             "capacity": self.capacity,
             "shards": [
-                {"index": s.index, "pid": s.pid, "socket": s.socket, "restarts": s.restarts}
+                {
+                    "index": s.index,
+                    "pid": s.pid,
+                    "socket": s.socket,
+                    "restarts": s.restarts,
+                    "state": s.state,
+                }
                 for s in self.shards
             ],
             "mounts": [
@@ -84,7 +91,13 @@ class AnchorState:
     def from_json(cls, data: dict[str, Any]) -> AnchorState:
         try:
             shards = tuple(
-                ShardInfo(int(s["index"]), int(s["pid"]), str(s["socket"]), int(s["restarts"]))
+                ShardInfo(
+                    int(s["index"]),
+                    int(s["pid"]),
+                    str(s["socket"]),
+                    int(s["restarts"]),
+                    str(s.get("state", "serving")),
+                )
                 for s in data["shards"]
             )
             mounts = tuple(

@@ -148,8 +148,12 @@ class AsyncClient:
         state = self.runtime.read_state()
         shards = []
         for info in state.shards:
-            shard = await self.call(info.index, "status")
-            shard.update(pid=info.pid, restarts=info.restarts)
+            if info.state == "failed":  # it kept dying: the anchor left it down
+                shard = {"shard": info.index, "volumes": [], "snapshots": [], "failed": {}}
+                shard.update(host_physical_bytes=0)
+            else:
+                shard = await self.call(info.index, "status")
+            shard.update(pid=info.pid, restarts=info.restarts, state=info.state)
             shards.append(shard)
         mounts = [
             {"directory": m.directory, "volume": m.volume, "pid": m.pid, "health": m.health}
@@ -270,9 +274,14 @@ class AsyncClient:
         return result
 
     async def list_volumes(self) -> list[dict[str, Any]]:
+        """The volumes of every shard that serves (a shard left down has none to list)."""
+        serving = {
+            info.index for info in self.runtime.read_state().shards if info.state != "failed"
+        }
         volumes: list[dict[str, Any]] = []
         for index in range(len(self._shards)):
-            volumes.extend(await self.call(index, "volume.list"))
+            if index in serving:
+                volumes.extend(await self.call(index, "volume.list"))
         return volumes
 
     async def show_volume(self, volume: str) -> dict[str, Any]:
