@@ -17,6 +17,7 @@ spinning; the other shards and the anchor keep serving.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import select
@@ -44,7 +45,7 @@ from slates.errors import (
 )
 from slates.node.journal import create_segment
 from slates.node.protocol import FrameReader, frame, pack, unpack
-from slates.node.runtime import AnchorState, MountInfo, Runtime, ShardInfo
+from slates.node.runtime import AnchorState, MountInfo, Runtime, ShardInfo, pid_alive
 
 __all__ = [
     "Anchor",
@@ -60,6 +61,7 @@ __all__ = [
 ]
 
 MAX_RESTARTS = 20
+MAX_BRIDGE_RESTARTS = 5  # per mount within RESTART_WINDOW
 RESTART_WINDOW = 60.0
 _UCRED = struct.Struct("3i")
 CONTROL_SECONDS = 2.0
@@ -107,6 +109,9 @@ class _Mount:
     directory: str
     volume: str
     process: subprocess.Popen[bytes]
+    uid: int = 0
+    writeback: bool = False
+    restarts: deque[float] = field(default_factory=deque)
 
 
 @dataclass
@@ -152,6 +157,7 @@ class Anchor:
     def prepare(self) -> None:
         self.runtime.prepare()
         self.runtime.ensure_approver_key()
+        self._report_dead_predecessor()
         try:
             state = self.runtime.read_state()
         except SlatesError:
@@ -359,7 +365,7 @@ class Anchor:
             log_path.unlink(missing_ok=True)
             self._clean_mountpoint(path)
             raise _bridge_error(message)
-        self.mounts[path] = _Mount(path, volume, process)
+        self.mounts[path] = _Mount(path, volume, process, uid, writeback)
         self._publish()
         _log(f"mounted {volume} at {path} (bridge pid {process.pid})")
         return {"directory": path, "volume": volume, "pid": process.pid}
@@ -406,6 +412,8 @@ class Anchor:
             process.wait()
 
     def _reap_bridges(self) -> None:
+        """A bridge that died unasked is started again on its directory (bounded, like
+        shards): the agent in the mount sees a pause, and its open files fail."""
         for path, mount in list(self.mounts.items()):
             if mount.process.poll() is None:
                 continue
@@ -416,6 +424,53 @@ class Anchor:
             del self.mounts[path]
             self._clean_mountpoint(path)
             self._publish()
+            if mount.process.returncode == 0 or self.stopping:
+                continue  # it unmounted itself (fusermount -u): not a failure
+            now = time.monotonic()
+            while mount.restarts and now - mount.restarts[0] > RESTART_WINDOW:
+                mount.restarts.popleft()
+            if len(mount.restarts) >= MAX_BRIDGE_RESTARTS:
+                _log(f"the bridge for {path} keeps dying; the volume stays unmounted")
+                continue
+            try:
+                self._mount(mount.volume, path, mount.uid, mount.writeback)
+            except SlatesError as exc:
+                _log(f"could not mount {mount.volume} at {path} again: {exc}")
+                continue
+            again = self.mounts[path]
+            again.restarts = mount.restarts
+            again.restarts.append(now)
+            _log(f"restarted the bridge for {path} (pid {again.process.pid})")
+
+    def _report_dead_predecessor(self) -> None:
+        """An anchor that died took its volumes with its RAM: say so, with their names
+        (from the shards' volume files), and clean the mounts and files it left."""
+        try:
+            data = json.loads(self.runtime.state_file.read_text())
+            pid = int(data["pid"])
+            mounts = [(str(m["directory"]), int(m["pid"])) for m in data.get("mounts", [])]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            return
+        if pid_alive(pid):
+            return  # prepare refuses: it is still running
+        names: list[str] = []
+        for listing in sorted(self.runtime.path.glob("shard-*.volumes.json")):
+            with contextlib.suppress(json.JSONDecodeError, TypeError, OSError):
+                names += [str(name) for name in json.loads(listing.read_text())]
+            listing.unlink(missing_ok=True)
+        for directory, bridge in mounts:
+            if _is_bridge(bridge):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(bridge, signal.SIGKILL)  # an orphan serving nothing
+            self._clean_mountpoint(directory)
+        lost = {"pid": pid, "volumes": sorted(names), "mounts": [d for d, _ in mounts]}
+        self.runtime.lost_file.write_text(json.dumps(lost))
+        self.runtime.state_file.unlink(missing_ok=True)
+        _log(
+            f"the previous anchor (pid {pid}) died; lost with its RAM: {len(names)} volumes"
+            f"{': ' + ', '.join(sorted(names)[:20]) if names else ''}"
+            f"{' ...' if len(names) > 20 else ''}; cleaned {len(mounts)} stale mounts"
+        )
 
     @staticmethod
     def _clean_mountpoint(path: str) -> None:
@@ -474,6 +529,14 @@ def _users_of(path: str) -> list[int]:
         if any(link == path or link.startswith(prefix) for link in links):
             users.append(int(entry.name))
     return users
+
+
+def _is_bridge(pid: int) -> bool:
+    """Whether `pid` is a mount bridge of Slates (never another process that took its pid)."""
+    try:
+        return b"slates.fuse.bridge" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def is_mounted(path: str) -> bool:

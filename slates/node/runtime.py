@@ -118,6 +118,16 @@ class Runtime:
         return self.path / "anchor.json"
 
     @property
+    def lost_file(self) -> Path:
+        """What the last anchor that died took with it (written by the next one)."""
+        return self.path / "lost.json"
+
+    def volumes_file(self, index: int) -> Path:
+        """The names of shard `index`'s volumes, for the next anchor to report if this
+        one dies."""
+        return self.path / f"shard-{index}.volumes.json"
+
+    @property
     def anchor_socket(self) -> Path:
         return self.path / "anchor.sock"
 

@@ -23,6 +23,7 @@ import argparse
 import array
 import ctypes
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -70,6 +71,7 @@ from slates.node.protocol import (
     unpack,
 )
 from slates.node.ring import RingPair
+from slates.node.runtime import Runtime
 from slates.node.service import ShardService
 
 __all__ = [
@@ -84,6 +86,8 @@ __all__ = [
 # Journal bytes that trigger a checkpoint (bounds replay); tests set it small.
 CHECKPOINT_EVERY_BYTES = int(os.environ.get("SLATES_CHECKPOINT_BYTES", 64 << 20))
 MAX_CONNECTIONS = 256
+# Requests that make or delete volumes: the names file is written after them.
+NAMING_OPS = frozenset({"volume.create", "volume.delete", "green.create", "work.create", "clone"})
 MAX_HELLO = 64 << 10  # a hello is small; nothing bigger is read before it
 HELLO_SECONDS = 5.0  # a connection that sends no hello in time is closed
 MAX_AGENT_CONNECTIONS = 32  # per agent and shard; the operator has the shard's whole bound
@@ -149,7 +153,18 @@ class Shard:
         self.drifted: dict[str, list[list[Any]]] = {}
         self.background: trio.Nursery | None = None
         self.agents = Agents(protected[0]) if protected else None
+        self.runtime = Runtime(protected[0]) if protected else None
         self.usage: dict[str, _Usage] = {}
+
+    def write_names(self) -> None:
+        """The volumes' names, for the next anchor to report should the host's RAM go
+        with this one (RUNTIME/shard-N.volumes.json; written atomically)."""
+        if self.runtime is None:
+            return
+        path = self.runtime.volumes_file(self.index)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(sorted(set(self.service.names.values()))))
+        os.replace(temporary, path)
 
     # -- recovery and commits -------------------------------------------------
 
@@ -204,6 +219,8 @@ class Shard:
             hello.client, request, time.time_ns(), Principal(hello.principal)
         )
         self.commit(events)
+        if request.op in NAMING_OPS:
+            self.write_names()
         self.service.collect_garbage()
         for vid, notes in invalidations(self.service.applied).items():
             self.pending.setdefault(vid, []).extend(notes)
@@ -540,6 +557,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     started = time.monotonic()
     replayed = shard.recover()
+    shard.write_names()
     _log(
         f"shard {args.index} recovered {len(shard.service.volumes)} volumes, "
         f"{replayed} events, in {time.monotonic() - started:.3f}s"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import socket
 import threading
@@ -159,11 +160,15 @@ class AsyncClient:
             {"directory": m.directory, "volume": m.volume, "pid": m.pid, "health": m.health}
             for m in state.mounts
         ]
+        lost: Any = None  # what the previous anchor took with it when it died, if one did
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            lost = json.loads(self.runtime.lost_file.read_text())
         return {
             "anchor_pid": state.pid,
             "capacity": state.capacity,
             "shards": shards,
             "mounts": mounts,
+            "previous_anchor_lost": lost,
         }
 
     async def _anchor(self, request: dict[str, Any]) -> Any:
