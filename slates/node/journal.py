@@ -14,8 +14,8 @@ that these segments hold, and its replacement maps the same segments.
   records the journal generation it covers; starting a new generation
   empties the journal.  A crash between the two steps leaves a journal of
   an older generation, which replay ignores (the checkpoint covers it).
-- Arena: sealed chunks, append-only [id 32][length u32][crc32 u32][data],
-  indexed by id on attach; a deletion appends a tombstone.
+- Arena: sealed chunks (slates.node.arena), their space reused and their
+  pages returned to the host when they are deleted.
 
 Every segment has a fixed virtual size (memfds are sparse: untouched
 pages cost nothing) and filling one is a visible CapacityExhausted, never
@@ -29,13 +29,13 @@ import mmap
 import os
 import struct
 import zlib
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator
 
-from slates.errors import CapacityExhausted, MissingContent, VerificationFailed
+from slates.errors import CapacityExhausted, VerificationFailed
 
-__all__ = ["Segment", "Journal", "Checkpoints", "ArenaChunks", "create_segment"]
+__all__ = ["PAGE", "Segment", "Journal", "Checkpoints", "create_segment"]
 
-_PAGE = mmap.PAGESIZE
+PAGE = _PAGE = mmap.PAGESIZE
 
 
 def create_segment(name: str, size: int) -> int:
@@ -188,87 +188,3 @@ class Checkpoints:
         if active != _NO_SLOT:
             old = self._slot_offset(active)
             self.segment.release(old, old + self.slot_size)
-
-
-_ARENA_HEADER = struct.Struct("<8sIIQ")  # magic, version, pad, committed
-_ARENA_MAGIC = b"SLARENA1"
-_CHUNK = struct.Struct("<32sII")  # id, length (TOMBSTONE for deletions), crc32
-_TOMBSTONE = 0xFFFFFFFF
-_ARENA_START = _PAGE
-
-
-class ArenaChunks(MutableMapping[bytes, bytes]):
-    """The host's chunk store, kept in an anchor-owned segment."""
-
-    def __init__(self, segment: Segment) -> None:
-        self.segment = segment
-        self._index: dict[bytes, tuple[int, int]] = {}
-        magic, version, _pad, committed = _ARENA_HEADER.unpack_from(segment.map, 0)
-        if magic == bytes(8):
-            _ARENA_HEADER.pack_into(segment.map, 0, _ARENA_MAGIC, 1, 0, 0)
-            return
-        if magic != _ARENA_MAGIC or version != 1 or committed > segment.size - _ARENA_START:
-            raise VerificationFailed("the arena segment is not a Slates arena")
-        at, end = _ARENA_START, _ARENA_START + committed
-        while at < end:
-            chunk_id, length, _crc = _CHUNK.unpack_from(segment.map, at)
-            if length == _TOMBSTONE:
-                self._index.pop(chunk_id, None)
-                at += _CHUNK.size
-                continue
-            if at + _CHUNK.size + length > end:
-                raise VerificationFailed("an arena entry runs past the committed end", at=at)
-            self._index[chunk_id] = (at + _CHUNK.size, length)
-            at += _CHUNK.size + -(-length // 8) * 8
-
-    @property
-    def _committed(self) -> int:
-        value: int = _ARENA_HEADER.unpack_from(self.segment.map, 0)[3]
-        return value
-
-    def _append(self, chunk_id: bytes, length: int, crc: int, data: bytes | bytearray) -> int:
-        committed = self._committed
-        at = _ARENA_START + committed
-        size = _CHUNK.size + -(-len(data) // 8) * 8
-        if at + size > self.segment.size:
-            raise CapacityExhausted("the content arena is full", needed=size)
-        mm = self.segment.map
-        _CHUNK.pack_into(mm, at, chunk_id, length, crc)
-        mm[at + _CHUNK.size : at + _CHUNK.size + len(data)] = data
-        struct.pack_into("<Q", mm, 16, committed + size)
-        return at + _CHUNK.size
-
-    def __getitem__(self, chunk_id: bytes) -> bytes:
-        where = self._index.get(chunk_id)
-        if where is None:
-            raise KeyError(chunk_id)
-        start, length = where
-        return bytes(self.segment.map[start : start + length])
-
-    def verify(self, chunk_id: bytes) -> None:
-        """Check a chunk's bytes against its checksum (MissingContent if damaged)."""
-        start, length = self._index[chunk_id]
-        _id, _length, crc = _CHUNK.unpack_from(self.segment.map, start - _CHUNK.size)
-        if zlib.crc32(self.segment.map[start : start + length]) != crc:
-            raise MissingContent("a chunk in the arena is damaged", chunk=chunk_id.hex())
-
-    def __setitem__(self, chunk_id: bytes, data: bytes) -> None:
-        if chunk_id in self._index:
-            return
-        start = self._append(chunk_id, len(data), zlib.crc32(data), data)
-        self._index[chunk_id] = (start, len(data))
-
-    def __delitem__(self, chunk_id: bytes) -> None:
-        if chunk_id not in self._index:
-            raise KeyError(chunk_id)
-        self._append(chunk_id, _TOMBSTONE, 0, b"")
-        del self._index[chunk_id]
-
-    def __iter__(self) -> Iterator[bytes]:
-        return iter(list(self._index))
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def __contains__(self, chunk_id: object) -> bool:
-        return chunk_id in self._index

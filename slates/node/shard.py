@@ -56,7 +56,8 @@ from slates.core.records import (
     Write,
 )
 from slates.errors import AccessDenied, CapacityExhausted, InvalidArgument, NotFound, SlatesError
-from slates.node.journal import ArenaChunks, Checkpoints, Journal, Segment
+from slates.node.arena import ArenaChunks
+from slates.node.journal import Checkpoints, Journal, Segment
 from slates.node.principals import Agents, Principal
 from slates.node.protocol import (
     MAX_FRAME,
