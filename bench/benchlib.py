@@ -29,6 +29,7 @@ from slates.node.anchor import is_mounted
 __all__ = [
     "Cleanup",
     "Table",
+    "cpu_seconds",
     "disk_usage",
     "drop_caches",
     "fmt_bytes",
@@ -129,6 +130,12 @@ def _status_field(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a live process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes(pid: int) -> int:

@@ -8,6 +8,14 @@ Providers, each made from the same source directory (a git repository):
   slates          a Slates work volume whose base is the live source
                   directory (read on demand), mounted through the bridge
 
+Two suites (--suite; default both).  "first touch": each of these on a
+workspace just created, so nothing of it is cached anywhere yet (the base
+directory's own pages stay warm): create + mount; the first git status
+(which refreshes the copied index); the first recursive grep; the first
+`find` that stats every entry; each workspace is removed after its one
+workload, and the figure is the median over --rounds fresh workspaces.
+"full": the workloads below, in this order, in one workspace.
+
 Workloads, in this order, in each workspace: creating it; stat and read of
 every tracked file (the first pass after creating it, then warm); reading
 the 64 MiB file; git status (the first one, which refreshes the copied
@@ -25,9 +33,12 @@ bytes), so a fast wrong answer fails the run.
 The source tree is generated (seeded): --files text files of 200 B to 8 KiB
 in two levels of directories, the C program, the pytest suite and the
 64 MiB file, committed and packed by git.  Or --tree DIR: a copy of DIR with
-the same fixtures added (under slates-bench/) and committed.
+the same fixtures added (under slates-bench/) and committed; a real
+repository's tree, e.g. `git --git-dir=... archive HEAD | tar -x -C DIR` of
+git/git (4,847 files).
 
-Run as root: `python bench/workspaces_bench.py [--files 5000] [--rounds 3]`;
+Run as root: `python bench/workspaces_bench.py [--files 5000] [--rounds 3]
+[--tree DIR] [--suite first-touch] [--only overlayfs,fuse-overlayfs,slates]`;
 bench/run_all.py runs this and the scaling benchmarks together.
 """
 
@@ -55,6 +66,7 @@ from benchlib import (
     Cleanup,
     MiB,
     Table,
+    cpu_seconds,
     disk_usage,
     drop_caches,
     git_env,
@@ -75,6 +87,7 @@ from slates.node.service import shard_of
 
 __all__ = [
     "PROVIDERS",
+    "SUITES",
     "Tree",
     "as_table",
     "make_tree",
@@ -84,6 +97,7 @@ __all__ = [
 ]
 
 PROVIDERS = ("cp -a", "git worktree", "overlayfs", "fuse-overlayfs", "slates")
+SUITES = ("first-touch", "full")
 BIG_SIZE = 64 * MiB
 EDIT_AT = 32 * MiB + 1000  # two bytes inside one page, in the middle
 SMALL_FILES = 2000
@@ -107,6 +121,8 @@ class Tree:
     pytest_count: int
     program_output: str
     size_bytes: int
+    entries: int = 0  # what `find` lists outside .git (the root included)
+    entry_bytes: int = 0  # the regular files' sizes it prints, added up
 
     def at(self, relative: str) -> str:
         return os.path.join(self.fixtures, relative) if self.fixtures else relative
@@ -269,7 +285,17 @@ def make_tree(
     output = run([scratch / "app"], scratch, env).strip()
     shutil.rmtree(scratch)
     size = sum((root / path).stat().st_size for path in tracked)
-    return Tree(root, tracked, fixtures, needles, tests, output, size)
+    entries, entry_bytes = find_stat(root, env)
+    return Tree(root, tracked, fixtures, needles, tests, output, size, entries, entry_bytes)
+
+
+def find_stat(root: Path, env: dict[str, str]) -> tuple[int, int]:
+    """`find` over `root` outside .git, stat-ing every entry (type, size, inode, mtime):
+    (entries, regular files' sizes added up; directory sizes differ between file systems)."""
+    printf = "%y %s %i %T@\\n"
+    out = run(["find", ".", "-path", "./.git", "-prune", "-o", "-printf", printf], root, env)
+    fields = [line.split(" ", 2) for line in out.splitlines()]
+    return len(fields), sum(int(size) for kind, size, _ in fields if kind == "f")
 
 
 # -- providers ------------------------------------------------------------------------
@@ -297,6 +323,10 @@ class Provider:
         raise NotImplementedError
 
     def notes(self) -> dict[str, Any]:
+        return {}
+
+    def server_pids(self) -> dict[str, int]:
+        """The processes serving the workspace, by the row label their CPU time gets."""
         return {}
 
 
@@ -375,6 +405,9 @@ class FuseOverlayProvider(OverlayProvider):
     def notes(self) -> dict[str, Any]:
         return {"pid": self.process.pid}
 
+    def server_pids(self) -> dict[str, int]:
+        return {"FUSE server CPU": self.process.pid}
+
 
 class SlatesProvider(Provider):
     name = "slates"
@@ -390,6 +423,7 @@ class SlatesProvider(Provider):
         self.client.status()  # every shard started and connected: creation is not startup
         self.volume = ""
         self.shard = 0
+        self.bridge_pid = 0
         self.baseline = 0
         self.shard_pid = 0
         self.rss_before = 0
@@ -405,7 +439,8 @@ class SlatesProvider(Provider):
         volume = self.client.create_volume("bench-workspace", base=self.tree.root)
         self.volume = str(volume["id"])
         self.cleanup.push(self._undo_volume)
-        self.client.mount(self.volume, self.path)
+        mounted = self.client.mount(self.volume, self.path)
+        self.bridge_pid = int(mounted["pid"])
         self.cleanup.push(self._undo_mount)
         self.shard = shard_of(self.volume)
         self.baseline = before[self.shard]
@@ -425,6 +460,12 @@ class SlatesProvider(Provider):
 
     def private_bytes(self) -> int:
         return int(self._shard_status()["host_physical_bytes"]) - self.baseline
+
+    def server_pids(self) -> dict[str, int]:
+        return {
+            "FUSE server CPU": self.bridge_pid,
+            "shard CPU": int(self._shard_status()["pid"]),
+        }
 
     def remove(self) -> None:
         self.client.unmount(self.path)
@@ -563,6 +604,48 @@ class Runner:
         if found != self.tree.needle_lines:
             raise Failed(f"{self.p.name}: grep found {found}, expected {self.tree.needle_lines}")
 
+    def find(self) -> None:
+        found = find_stat(self.p.path, self.p.env)
+        if found != (self.tree.entries, self.tree.entry_bytes):
+            raise Failed(
+                f"{self.p.name}: find saw {found}, expected "
+                f"{(self.tree.entries, self.tree.entry_bytes)}"
+            )
+
+    def first_touch(self) -> None:
+        """Each workload once on a workspace just created (then removed), --rounds times."""
+        p, log = self.p, self.log
+        p.prepare()
+        workloads: tuple[tuple[str, Callable[[], None]], ...] = (
+            ("first touch: git status", self.git_status),
+            ("first touch: grep -r", self.grep),
+            ("first touch: find, stat every entry", self.find),
+        )
+        creates: list[float] = []
+        create_requests: Counter[str] = Counter()
+        for row, action in workloads:
+            samples: list[float] = []
+            cpu: dict[str, list[float]] = {}
+            requests: Counter[str] = Counter()
+            for _ in range(self.rounds):
+                before = self.requests()
+                creates.append(timed(p.create))
+                create_requests += self.requests() - before
+                pids = p.server_pids()
+                cpu_before = {label: cpu_seconds(pid) for label, pid in pids.items()}
+                before = self.requests()
+                samples.append(timed(action))
+                requests += self.requests() - before
+                for label, pid in pids.items():
+                    cpu.setdefault(label, []).append(cpu_seconds(pid) - cpu_before[label])
+                p.remove()
+            self.put(row, "s", median(samples), requests)
+            for label in ("FUSE server CPU", "shard CPU"):
+                if label in cpu:
+                    self.put(f"  {label}, {row.split(': ', 1)[1]}", "s", median(cpu[label]))
+            log(f"  {p.name}: {row} done")
+        self.put("first touch: create + mount", "s", median(creates), create_requests)
+
     def small_files(self, round_: int) -> tuple[float, float, Counter[str], Counter[str]]:
         """(seconds to create, seconds to delete, requests for each) for SMALL_FILES files."""
         scratch = os.path.join(self.ws, f"scratch-{round_}")
@@ -672,14 +755,22 @@ def run_workspaces(
     cleanup: Cleanup,
     log: Callable[[str], None],
     only: tuple[str, ...] = PROVIDERS,
+    suites: tuple[str, ...] = SUITES,
 ) -> Results:
     results = Results()
-    for cls in PROVIDER_CLASSES:
-        if cls.name not in only:
+    for suite in SUITES:
+        if suite not in suites:
             continue
-        with cleanup.scope() as scope:
-            provider = cls(top, tree, env, scope)
-            Runner(provider, tree, results, rounds, log).all()
+        for cls in PROVIDER_CLASSES:
+            if cls.name not in only:
+                continue
+            with cleanup.scope() as scope:
+                provider = cls(top, tree, env, scope)
+                runner = Runner(provider, tree, results, rounds, log)
+                if suite == "first-touch":
+                    runner.first_touch()
+                else:
+                    runner.all()
     return results
 
 
@@ -731,7 +822,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--only", default=",".join(PROVIDERS))
+    parser.add_argument("--suite", default=",".join(SUITES), help="first-touch, full, or both")
     args = parser.parse_args()
+    suites = tuple(args.suite.split(","))
+    if not set(suites) <= set(SUITES):
+        parser.error(f"--suite: choose from {', '.join(SUITES)}")
     if os.geteuid() != 0:
         parser.error("run as root (mounts and drop_caches)")
     began = time.monotonic()
@@ -743,7 +838,7 @@ def main() -> None:
         tree = make_tree(top, args.files, args.seed, env, args.tree)
         print(f"tree: {len(tree.tracked):,} tracked files, {tree.size_bytes / MiB:.1f} MiB")
         results = run_workspaces(
-            top, tree, env, args.rounds, cleanup, print, tuple(args.only.split(","))
+            top, tree, env, args.rounds, cleanup, print, tuple(args.only.split(",")), suites
         )
     finally:
         cleanup.close()

@@ -49,19 +49,17 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
-from slates.core.host import UNLIMITED
 from slates.errors import InvalidArgument, SlatesError
-from slates.node.anchor import parse_size
-from slates.sdk import Client
 
-from .conflicts import SHOWN_BYTES, render_conflict
+if TYPE_CHECKING:
+    from rich.table import Table
+    from rich.text import Text
+
+    from slates.sdk import Client
 
 __all__ = [
     "CHUNK",
@@ -88,7 +86,6 @@ __all__ = [
     "versions",
     "changed",
     "CONFLICT_EXIT",
-    "SHOWN_BYTES",
     "parse_quota",
     "format_bytes",
     "format_quota",
@@ -110,13 +107,14 @@ def register(group: click.Group, fail: Fail) -> None:
     """Attach this module's commands to `group`; `fail` reports a SlatesError and exits."""
     global _fail_hook
     _fail_hook = fail
-    for command in (status, volume, snapshot, clone, read, write, ls, mount, unmount):
+    for command in (status, volume, snapshot, gc, clone, read, write, ls, mount, unmount):
         group.add_command(command)
     for command in (green, work, submit, rebase, versions, changed):
         group.add_command(command)
-    from .land import land, read_base, rewitness  # it builds on this module's pieces
+    from .agents import agent  # they build on this module's pieces
+    from .land import land, read_base, rewitness
 
-    for command in (land, read_base, rewitness):
+    for command in (land, read_base, rewitness, agent):
         group.add_command(command)
 
 
@@ -140,6 +138,8 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 @contextlib.contextmanager
 def _client(runtime_dir: str | None) -> Iterator[Client]:
     """One Client for this command; a SlatesError anywhere inside ends the command."""
+    from slates.sdk import Client
+
     try:
         with Client(runtime_dir) as client:
             yield client
@@ -168,6 +168,8 @@ def format_bytes(nbytes: int) -> str:
 
 def format_quota(info: dict[str, Any]) -> str:
     """A volume's capacity as people say it: "bounded 4.00 GiB", "dynamic, max 1.00 GiB"."""
+    from slates.core.host import UNLIMITED
+
     limit = int(info["limit"])
     if info["bounded"]:
         return f"bounded {format_bytes(limit)}"
@@ -178,6 +180,8 @@ def format_quota(info: dict[str, Any]) -> str:
 
 def _size(option: str, text: str | None) -> int | None:
     """parse_size, with the option and the text in the message (it is all a person sees)."""
+    from slates.node.anchor import parse_size
+
     if text is None:
         return None
     try:
@@ -201,6 +205,9 @@ def _path(path: str) -> str:
 
 
 def _facts(title: str | Text, rows: list[tuple[str, str]]) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=title, title_justify="left", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value", overflow="fold")
@@ -242,21 +249,32 @@ def _volume_facts(title: str, info: dict[str, Any]) -> Table:
 
 
 def _volume_table(volumes: list[dict[str, Any]]) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title="Volumes", title_justify="left")
-    for column in ("id", "name", "shard", "base", "quota"):
+    for column in ("id", "name", "role", "shard", "base", "quota"):
         table.add_column(column, overflow="fold")
     table.add_column("referenced", justify="right")
     table.add_column("unique", justify="right")
+    table.add_column("mounted at", overflow="fold")
     for info in volumes:
         counters = info["counters"]
+        role = str(info.get("role", "volume"))
+        if role == "work":
+            role = f"work on {info['green']} v{info['version']}"
+        elif role == "green":
+            role = f"green at v{info['version']}"
         table.add_row(
             Text(str(info["id"])),
             Text(str(info["name"])),
+            Text(role),
             str(info["shard"]),
             Text(info["base"] or "-"),
             format_quota(info),
             format_bytes(counters["referenced_bytes"]),
             format_bytes(counters["unique_bytes"]),
+            Text(str(info.get("mounted_at") or "-")),
         )
     if not volumes:
         table.caption = "no volumes"
@@ -271,6 +289,10 @@ def _volume_table(volumes: list[dict[str, Any]]) -> Table:
 @json_option
 def status(runtime_dir: str | None, as_json: bool) -> None:
     """The service: anchor, shards and their volumes, mounts."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     with _client(runtime_dir) as client:
         report: dict[str, Any] = client.status()
     if as_json:
@@ -283,6 +305,7 @@ def status(runtime_dir: str | None, as_json: bool) -> None:
             [
                 ("anchor pid", str(report["anchor_pid"])),
                 ("capacity", f"{format_bytes(report['capacity'])} ({report['capacity']:,} B)"),
+                *_lost_rows(report.get("previous_anchor_lost")),
             ],
         )
     )
@@ -297,7 +320,8 @@ def status(runtime_dir: str | None, as_json: bool) -> None:
         volumes = "\n".join(f"{v['id']} {v['name']}" for v in shard["volumes"]) or "-"
         failed = "\n".join(f"{vid}: {e['code']}" for vid, e in shard["failed"].items()) or "-"
         shards.add_row(
-            str(shard["shard"]),
+            str(shard["shard"])
+            + (" (failed: left down)" if shard.get("state") == "failed" else ""),
             str(shard["pid"]),
             str(shard["restarts"]),
             Text(volumes),
@@ -319,6 +343,14 @@ def status(runtime_dir: str | None, as_json: bool) -> None:
             str(mount.get("health", "?")),
         )
     console.print(mounts)
+
+
+def _lost_rows(lost: Any) -> list[tuple[str, str]]:
+    """What a previous anchor that died took with it (its RAM), if one did."""
+    if not isinstance(lost, dict):
+        return []
+    names = ", ".join(lost.get("volumes", [])) or "none"
+    return [("previous anchor", f"pid {lost.get('pid')} died; its volumes were lost: {names}")]
 
 
 # -- volumes -----------------------------------------------------------------
@@ -353,6 +385,8 @@ def volume_create(
     as_json: bool,
 ) -> None:
     """Create volume NAME: empty, over a base directory, or from a snapshot."""
+    from rich.console import Console
+
     try:
         bounded_bytes, dynamic_bytes = parse_quota(bounded, dynamic)
         if base is not None and from_snapshot is not None:
@@ -386,12 +420,20 @@ def volume_create(
 @json_option
 def volume_list(runtime_dir: str | None, as_json: bool) -> None:
     """Every volume on this host, with its quota and counters."""
+    from rich.console import Console
+
     with _client(runtime_dir) as client:
-        volumes: list[dict[str, Any]] = client.list_volumes()
+        volumes: list[dict[str, Any]] = _with_mounts(client, client.list_volumes())
     if as_json:
         _echo_json(volumes)
     else:
         Console().print(_volume_table(volumes))
+
+
+def _with_mounts(client: Client, volumes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each volume with the directory it is mounted at (None), from the anchor's state."""
+    where = {m["volume"]: m["directory"] for m in client.mounts()}
+    return [{**v, "mounted_at": where.get(v["id"])} for v in volumes]
 
 
 @volume.command("show")
@@ -400,6 +442,8 @@ def volume_list(runtime_dir: str | None, as_json: bool) -> None:
 @json_option
 def volume_show(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None:
     """One volume (by id or unique name): quota and counters."""
+    from rich.console import Console
+
     with _client(runtime_dir) as client:
         info: dict[str, Any] = client.show_volume(client.resolve(volume_ref))
     if as_json:
@@ -410,13 +454,18 @@ def volume_show(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None
 
 @volume.command("delete")
 @click.argument("volume_ref", metavar="VOLUME")
+@click.option("--force", is_flag=True, help="Delete it even if mounted or still in use.")
 @runtime_dir_option
 @json_option
-def volume_delete(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None:
-    """Delete a volume (by id or unique name); its snapshots stay."""
+def volume_delete(volume_ref: str, force: bool, runtime_dir: str | None, as_json: bool) -> None:
+    """Delete a volume (by id or unique name); its snapshots stay.
+
+    Refused while it is mounted, and for a green volume while it has work
+    volumes or versions no landing has written to disk, unless --force.
+    """
     with _client(runtime_dir) as client:
         vid = client.resolve(volume_ref)
-        client.delete_volume(vid)
+        client.delete_volume(vid, force=force)
     if as_json:
         _echo_json({"deleted": vid})
     else:
@@ -426,11 +475,25 @@ def volume_delete(volume_ref: str, runtime_dir: str | None, as_json: bool) -> No
 # -- snapshots and clones ----------------------------------------------------
 
 
-@click.command()
+class _TakeByDefault(click.Group):
+    """`slates snapshot VOLUME` takes a snapshot; `slates snapshot delete SNAP` deletes."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["take", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_TakeByDefault)
+def snapshot() -> None:
+    """Snapshots: `slates snapshot VOLUME` takes one; `slates snapshot delete SNAP`."""
+
+
+@snapshot.command("take", hidden=True)
 @click.argument("volume_ref", metavar="VOLUME")
 @runtime_dir_option
 @json_option
-def snapshot(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None:
+def snapshot_take(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None:
     """Take a snapshot of VOLUME (by id or unique name); prints the snapshot id."""
     with _client(runtime_dir) as client:
         vid = client.resolve(volume_ref)
@@ -439,6 +502,39 @@ def snapshot(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None:
         _echo_json({"snapshot": snapshot_id, "volume": vid})
     else:
         click.echo(snapshot_id)
+
+
+@snapshot.command("delete")
+@click.argument("snapshot_id", metavar="SNAP")
+@click.option("--force", is_flag=True, help="Delete it even if volumes were cloned from it.")
+@runtime_dir_option
+def snapshot_delete(snapshot_id: str, force: bool, runtime_dir: str | None) -> None:
+    """Delete snapshot SNAP; its content goes once nothing else shares it.
+
+    Refused while a landing plan or a green's ledger needs it, and, unless
+    --force, while volumes cloned from it live (they keep what they share).
+    """
+    with _client(runtime_dir) as client:
+        client.delete_snapshot(snapshot_id, force=force)
+    click.echo(f"deleted {snapshot_id}")
+
+
+@click.command()
+@runtime_dir_option
+@json_option
+def gc(runtime_dir: str | None, as_json: bool) -> None:
+    """Collect now: prune green volumes by their --keep, free unused content, and say
+    how much physical memory came back."""
+    with _client(runtime_dir) as client:
+        result = client.gc()
+    if as_json:
+        _echo_json(result)
+        return
+    pruned = sum(len(v) for v in result["pruned"].values())
+    click.echo(
+        f"freed {format_bytes(result['freed_bytes'])}; pruned {pruned} versions; "
+        f"the host holds {format_bytes(result['host_physical_bytes'])}"
+    )
 
 
 @click.command()
@@ -457,6 +553,8 @@ def clone(
     as_json: bool,
 ) -> None:
     """Create volume NAME from SNAPSHOT (sharing its content, copy on write)."""
+    from rich.console import Console
+
     try:
         bounded_bytes, dynamic_bytes = parse_quota(bounded, dynamic)
     except SlatesError as error:
@@ -525,6 +623,10 @@ def write(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) ->
 @json_option
 def ls(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) -> None:
     """List the directory PATH (default /) of VOLUME."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     with _client(runtime_dir) as client:
         vid = client.resolve(volume_ref)
         entries: list[dict[str, Any]] = client.list(vid, _path(path))
@@ -590,6 +692,10 @@ def unmount(directory: str, runtime_dir: str | None, as_json: bool, force: bool)
 
 def _refused(what: str, vid: str, result: dict[str, Any], as_json: bool, kept: str) -> NoReturn:
     """Print a refused submit or rebase (stdout), say so on stderr, exit CONFLICT_EXIT."""
+    from rich.console import Console
+
+    from .conflicts import render_conflict
+
     conflicts: list[dict[str, Any]] = result["conflicts"]
     if as_json:
         _echo_json(result)
@@ -611,6 +717,24 @@ def green() -> None:
     """Green volumes: the shared, ordered versions that work volumes submit to."""
 
 
+@green.command("list")
+@runtime_dir_option
+@json_option
+def green_list(runtime_dir: str | None, as_json: bool) -> None:
+    """The green volumes: head version, work volumes on them, where they are mounted."""
+    from rich.console import Console
+
+    with _client(runtime_dir) as client:
+        volumes = _with_mounts(client, client.list_volumes())
+    greens = [v for v in volumes if v.get("role") == "green"]
+    for info in greens:
+        info["works"] = sorted(v["id"] for v in volumes if v.get("green") == info["id"])
+    if as_json:
+        _echo_json(greens)
+    else:
+        Console().print(_volume_table(greens))
+
+
 @green.command("create")
 @click.argument("name")
 @click.option("--base", metavar="PATH", default=None, help="Capture this directory as version 0.")
@@ -630,6 +754,13 @@ def green() -> None:
     help="Submit what the repository's ignore files ignore (.git/ and --private stay private).",
 )
 @click.option(
+    "--keep",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="Versions kept whole behind the head (older ones no work volume needs are pruned).",
+)
+@click.option(
     "--rewrites",
     type=click.Choice(["refine", "exact"]),
     default="refine",
@@ -646,6 +777,7 @@ def green_create(
     case_insensitive: bool,
     private: tuple[str, ...],
     submit_ignored: bool,
+    keep: int,
     rewrites: str,
     runtime_dir: str | None,
     as_json: bool,
@@ -658,6 +790,8 @@ def green_create(
     file rewritten whole (an editor's save, sed -i, open(p, "w")) is
     submitted as the edits that remain, so it merges like precise edits.
     """
+    from rich.console import Console
+
     try:
         bounded_bytes, dynamic_bytes = parse_quota(bounded, dynamic)
     except SlatesError as error:
@@ -676,6 +810,7 @@ def green_create(
                 private=private,
                 submit_ignored=submit_ignored,
                 rewrites=rewrites,
+                keep=keep,
             )
         info: dict[str, Any] = client.show_volume(gid)
     if as_json:
@@ -705,6 +840,8 @@ def work_create(
     green_ref: str, name: str, version: int | None, runtime_dir: str | None, as_json: bool
 ) -> None:
     """Create work volume NAME on a version of GREEN (by id or unique name); nothing is copied."""
+    from rich.console import Console
+
     with _client(runtime_dir) as client:
         info: dict[str, Any] = client.create_work(
             client.resolve(green_ref, "green"), name, version=version
@@ -800,6 +937,10 @@ def rebase(work_ref: str, runtime_dir: str | None, as_json: bool) -> None:
 @json_option
 def versions(green_ref: str, limit: int, runtime_dir: str | None, as_json: bool) -> None:
     """The versions of GREEN (by id or unique name): base, work volume, changed paths."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     with _client(runtime_dir) as client:
         ledger: dict[str, Any] = client.ledger(client.resolve(green_ref, "green"), limit=limit)
     if as_json:

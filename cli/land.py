@@ -6,7 +6,10 @@ a unified diff of each text file between what the disk holds now and the
 proposal.  It changes nothing.  `slates land approve MANIFEST` is the
 approval interface, the only place a grant is made: it shows the
 manifest, then, prominently, which entries' disk state no longer matches
-their witness (they will conflict and be left alone) and why, asks for
+their witness (they will conflict and be left alone) and why, and every
+entry whose proposed mode carries setuid, setgid or sticky bits (they land
+only so, owned by the service's user: highlighted in the table and
+warned about again before the question), asks for
 confirmation on the controlling terminal (/dev/tty,
 never stdin, so a pipe from an agent cannot answer), reads the approver
 credential (RUNTIME/approver.key, owner-only) and then lands the manifest,
@@ -29,21 +32,21 @@ import secrets
 import sys
 import termios
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from slates.errors import AccessDenied, InvalidArgument
-from slates.node.runtime import Runtime
-from slates.node.service import shard_of
-from slates.sdk import Client
+
+if TYPE_CHECKING:
+    from rich.table import Table
+    from rich.text import Text
+
+    from slates.sdk import Client
 
 from .commands import _client, _echo_json, _fail, json_option, runtime_dir_option
 
-__all__ = ["land", "read_base", "rewitness", "LANDING_EXIT", "DIFF_LIMIT"]
+__all__ = ["DIFF_LIMIT", "LANDING_EXIT", "land", "read_base", "rewitness"]
 
 LANDING_EXIT = 4
 DIFF_LIMIT = 256 << 10  # larger files are summarized, not diffed
@@ -106,10 +109,32 @@ def _safe(text: str) -> str:
 
 
 def _cell(text: str) -> Text:
+    from rich.text import Text
+
     return Text(_safe(text).replace("\n", "\\n"))
 
 
+def _special(state: list[Any] | None) -> list[str]:
+    """The setuid, setgid and sticky bits a wire state's mode asks for."""
+    from slates.land.manifest import State, special_bits
+
+    if state is None:
+        return []
+    return special_bits(State(str(state[0]), state[1], int(state[2])))
+
+
+def _proposed_cell(state: list[Any] | None) -> Text:
+    from rich.text import Text
+
+    special = _special(state)
+    if not special:
+        return Text(_short(state))
+    return Text(f"{_short(state)} {'+'.join(special).upper()}", style="bold red reverse")
+
+
 def _manifest_table(plan: dict[str, Any], title: str) -> Table:
+    from rich.table import Table
+
     table = Table(title=_cell(title), title_justify="left")
     for column in ("action", "path", "witnessed", "proposed"):
         table.add_column(column)
@@ -118,9 +143,44 @@ def _manifest_table(plan: dict[str, Any], title: str) -> Table:
             _action(entry),
             _cell(entry["path"]),
             _short(entry["witnessed"]),
-            _short(entry["proposed"]),
+            _proposed_cell(entry["proposed"]),
         )
     return table
+
+
+def _warn_special(plan: dict[str, Any]) -> int:
+    """Before the question: every entry that lands setuid, setgid or sticky (stderr).
+
+    Returns how many there are.
+    """
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    asking = [e for e in plan["entries"] if _special(e["proposed"])]
+    if not asking:
+        return 0
+    console = Console(stderr=True)
+    one = len(asking) == 1
+    console.print(
+        Text(
+            f"WARNING: {len(asking)} {'entry lands' if one else 'entries land'} with"
+            " setuid, setgid or sticky bits, owned by the user the service runs as"
+            " (root, say): approve only if you meant exactly that",
+            style="bold red",
+        )
+    )
+    table = Table(show_header=True, header_style="bold red")
+    for column in ("path", "mode", "bits"):
+        table.add_column(column)
+    for entry in asking:
+        table.add_row(
+            _cell(entry["path"]),
+            f"{int(entry['proposed'][2]):04o}",
+            Text(", ".join(_special(entry["proposed"])), style="bold red"),
+        )
+    console.print(table)
+    return len(asking)
 
 
 def _where(plan: dict[str, Any]) -> str:
@@ -146,6 +206,8 @@ def _diff(path: str, disk: bytes | None, proposed: bytes | None) -> str:
 
 def _show(client: Client, plan: dict[str, Any], title: str, *, err: bool = False) -> None:
     """The manifest table and each file's diff (on stderr with err, e.g. before --json)."""
+    from rich.console import Console
+
     Console(stderr=err).print(_manifest_table(plan, f"{title} {_where(plan)}"))
     for entry in plan["entries"]:
         kinds = {s[0] for s in (entry["witnessed"], entry["proposed"]) if s is not None}
@@ -189,6 +251,10 @@ def _warn_conflicts(check: dict[str, Any]) -> int:
 
     Returns how many will not land (conflicts, and entries that cannot be reached).
     """
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     console = Console(stderr=True)
     trouble = [e for e in check["entries"] if e["outcome"] in ("conflict", "fail")]
     identical = sum(1 for e in check["entries"] if e["outcome"] == "identical")
@@ -219,13 +285,16 @@ def _warn_conflicts(check: dict[str, Any]) -> int:
         table.add_column(column)
     for entry in trouble:
         table.add_row(
-            entry["outcome"], _cell(entry["path"]), _short(entry["disk"]), _cell(entry["reason"])
+            entry["outcome"],
+            _cell(entry["path"]),
+            _short(entry["disk"]),
+            _cell(entry["reason"]),
         )
     console.print(table)
     return count
 
 
-def _confirm_on_terminal(manifest: str, target: str, conflicts: int = 0) -> None:
+def _confirm_on_terminal(manifest: str, target: str, conflicts: int = 0, special: int = 0) -> None:
     """A human types the manifest id's first characters on the controlling terminal."""
     try:
         tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
@@ -237,6 +306,8 @@ def _confirm_on_terminal(manifest: str, target: str, conflicts: int = 0) -> None
         warning = ""
         if conflicts:
             warning = f"{conflicts} {'entry' if conflicts == 1 else 'entries'} will conflict; "
+        if special:
+            warning += f"{special} {'entry' if special == 1 else 'entries'} SETUID/SETGID/STICKY; "
         prompt = (
             f"Type {expected} to approve landing {manifest} into {_safe(target)} "
             f"({warning}anything else refuses): "
@@ -255,12 +326,16 @@ def _confirm_on_terminal(manifest: str, target: str, conflicts: int = 0) -> None
 
 
 def _credential(runtime_dir: str | None, path: str | None) -> bytes:
+    from slates.node.runtime import Runtime
+
     location = Path(path) if path else Runtime(runtime_dir).approver_key_file
     try:
         data = location.read_bytes().strip()
     except OSError as exc:
         raise AccessDenied(
-            "cannot read the approver credential", path=str(location), reason=exc.strerror
+            "cannot read the approver credential",
+            path=str(location),
+            reason=exc.strerror,
         ) from None
     if not data:
         raise AccessDenied("the approver credential is empty", path=str(location))
@@ -268,6 +343,8 @@ def _credential(runtime_dir: str | None, path: str | None) -> bytes:
 
 
 def _outcomes(result: dict[str, Any]) -> Table:
+    from rich.table import Table
+
     title = _cell(f"Landing {result['manifest']} into {result['target']}")
     table = Table(title=title, title_justify="left")
     for column in ("outcome", "path", "disk before", "reason"):
@@ -297,12 +374,17 @@ def land_approve(
     manifest: str, credential_file: str | None, runtime_dir: str | None, as_json: bool
 ) -> None:
     """Show MANIFEST, confirm at the terminal, and land it (the only way a grant is made)."""
+    from rich.console import Console
+
+    from slates.node.service import shard_of
+
     with _client(runtime_dir) as client:
         plan = client.land_show(manifest)
         _show(client, plan, "Approve landing", err=True)
         check = client.call(shard_of(manifest), "land.check", manifest=manifest)
         conflicts = _warn_conflicts(check)
-        _confirm_on_terminal(manifest, plan["target"], conflicts)
+        special = _warn_special(plan)
+        _confirm_on_terminal(manifest, plan["target"], conflicts, special)
         grant = client.call(
             shard_of(manifest),
             "land.grant",
@@ -351,7 +433,11 @@ def read_base(manifest: str, path: str, runtime_dir: str | None) -> None:
 @runtime_dir_option
 @json_option
 def rewitness(
-    manifest: str, paths: tuple[str, ...], merge: bool, runtime_dir: str | None, as_json: bool
+    manifest: str,
+    paths: tuple[str, ...],
+    merge: bool,
+    runtime_dir: str | None,
+    as_json: bool,
 ) -> None:
     """Record what the disk holds now as MANIFEST's witness: a new manifest to approve.
 

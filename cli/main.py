@@ -22,17 +22,20 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from slates.errors import SlatesError
 
 from .commands import register
-from .demo import DemoResult, run_demo
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from .demo import DemoResult
 
 __all__ = ["main", "demo", "exit_code_for", "format_size", "format_units", "print_demo"]
 
@@ -66,10 +69,15 @@ def format_units(nbytes: int) -> str:
 
 def _shown(text: str) -> Text:
     """A value as plain text (no rich markup), newlines shown as \\n."""
+    from rich.text import Text
+
     return Text(text.replace("\n", "\\n"))
 
 
 def _facts(title: str, rows: list[tuple[str, str | Text]]) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=title, title_justify="left", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("observed", overflow="fold")
@@ -87,6 +95,8 @@ def _yes(flag: bool) -> str:
 
 
 def print_demo(result: DemoResult, console: Console) -> None:
+    from rich.table import Table
+
     sample = result["sample"]
     files = Table(title="1. Sample project", title_justify="left")
     files.add_column("path")
@@ -260,6 +270,10 @@ def main() -> None:
 )
 def demo(as_json: bool, keep: str | None, workspace: bool) -> None:
     """Walk through volumes, clones, capacity and sealing on a generated sample project."""
+    from rich.console import Console
+
+    from .demo import run_demo
+
     try:
         if workspace:
             from .workspace_demo import run_workspace_demo
@@ -346,14 +360,34 @@ def print_workspace_demo(observed: dict[str, Any], console: Console) -> None:
     "--capacity", default="8GiB", show_default=True, help="Host memory Slates may use, e.g. 4GiB."
 )
 @click.option("--daemon", is_flag=True, help="Detach once serving (logs go to anchor.log).")
-def anchor(runtime_dir: str | None, shards: int | None, capacity: str, daemon: bool) -> None:
-    """Start the service: shared memory, shards, supervision."""
+@click.option(
+    "--allow-root",
+    "allow_roots",
+    metavar="DIR",
+    multiple=True,
+    help="Agents (slates agent add) may name bases and landing targets under DIR (repeatable).",
+)
+def anchor(
+    runtime_dir: str | None,
+    shards: int | None,
+    capacity: str,
+    daemon: bool,
+    allow_roots: tuple[str, ...],
+) -> None:
+    """Start the service: shared memory, shards, supervision.
+
+    A previous anchor that died here is reported (what it lost) and its
+    stale mounts cleaned up."""
     from slates.node.anchor import parse_size, run_anchor
     from slates.node.runtime import Runtime
 
     try:
         code = run_anchor(
-            Runtime(runtime_dir), shards or os.cpu_count() or 1, parse_size(capacity), daemon=daemon
+            Runtime(runtime_dir),
+            shards or os.cpu_count() or 1,
+            parse_size(capacity),
+            daemon=daemon,
+            allow_roots=allow_roots,
         )
     except SlatesError as exc:
         _fail(exc)
@@ -367,15 +401,26 @@ def anchor(runtime_dir: str | None, shards: int | None, capacity: str, daemon: b
     default=None,
     help="Where the service lives (default: $SLATES_RUNTIME_DIR, /run/slates for root).",
 )
-def mcp_server(runtime_dir: str | None) -> None:
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="An agent's credential (slates agent add): every tool acts as that agent.",
+)
+def mcp_server(runtime_dir: str | None, token_file: str | None) -> None:
     """Serve Slates to an agent over the Model Context Protocol on stdin/stdout.
 
     Work volumes, files, submit, rebase, versions, landing plans and read_base;
-    nothing that lands a plan on disk.
+    nothing that lands a plan on disk.  With --token-file the session has that
+    agent's rights only (else $SLATES_TOKEN's, else the operator's).
     """
     from slates.mcp import run_stdio
 
-    run_stdio(runtime_dir)
+    token = None
+    if token_file is not None:
+        with open(token_file) as credential:
+            token = credential.read().strip() or None
+    run_stdio(runtime_dir, token)
 
 
 register(main, _fail)

@@ -91,7 +91,7 @@ void bridge_reset_counters(void);
 int bridge_errno_for(const char *code);
 
 /* Tests: encode the request each callback would send for fixed sample
- * arguments (`which` indexes the ops, see bridge.c); returns the length,
+ * arguments (`which` indexes the ops, see bridge_wire.c); returns the length,
  * -ENOENT past the last one.  The op name is copied to op_out. */
 int bridge_test_encode(int which, uint8_t *out, uint32_t cap, char *op_out, uint32_t op_cap);
 /* Tests: decode a reply; 0 and the ATTR's 11 fields in protocol order (ino,
@@ -102,6 +102,10 @@ int bridge_test_decode_attr(const uint8_t *msg, uint32_t len, int64_t *out);
 /* Tests: apply adds (key) and removes (~key) to the absent-xattr set, then
  * whether it holds `probe`. */
 int bridge_test_absent_set(const uint64_t *ops, uint32_t n, uint64_t probe);
+/* Tests: mark every probed name absent on `ino` with the epoch read first,
+ * after an invalidation of another inode when `invalidate_between`; then
+ * whether security.capability is known absent on `ino`. */
+int bridge_test_absent_since(uint64_t ino, int invalidate_between);
 
 /* Implemented in Python (cffi extern "Python+C"): say hello again and call
  * bridge_attach.  Returns 0 or -errno. */

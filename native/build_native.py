@@ -1,7 +1,7 @@
 """cffi (out-of-line API mode) build of slates._native: the rings and the mount bridge.
 
 One extension holds both the shared-memory rings (ring.c) and the FUSE
-mount bridge (bridge.c, libfuse3 low-level API + msgpack-c), so the bridge
+mount bridge (bridge_*.c, libfuse3 low-level API + msgpack-c), so the bridge
 and the Python ring code share one copy of the ring implementation.  Build
 needs the libfuse3 and msgpack-c headers (Debian: libfuse3-dev,
 libmsgpack-dev) and pkg-config.
@@ -52,6 +52,18 @@ def _libraries(package: str, fallback: str) -> list[str]:
     names = [f[2:] for f in _pkg_config(package, "--libs-only-l") if f.startswith("-l")]
     return names or [fallback]
 
+
+# The mount bridge is split along its seams (native/bridge_internal.h says
+# what each file owns); ring.c is shared with the Python ring code.
+SOURCES = (
+    "ring.c",
+    "bridge_wire.c",
+    "bridge_link.c",
+    "bridge_cache.c",
+    "bridge_ops.c",
+    "bridge_session.c",
+)
+HEADERS = ("ring.h", "bridge.h", "bridge_internal.h")
 
 ffibuilder = FFI()
 
@@ -108,6 +120,7 @@ ffibuilder.cdef(
                            uint32_t op_cap);
     int bridge_test_decode_attr(const uint8_t *msg, uint32_t len, int64_t *out);
     int bridge_test_absent_set(const uint64_t *ops, uint32_t n, uint64_t probe);
+    int bridge_test_absent_since(uint64_t ino, int invalidate_between);
 
     extern "Python+C" int bridge_reconnect_cb(void);
     """
@@ -116,7 +129,7 @@ ffibuilder.cdef(
 ffibuilder.set_source(
     "slates._native",
     '#include "ring.h"\n#include "bridge.h"',
-    sources=[_relative(_HERE / "ring.c"), _relative(_HERE / "bridge.c")],
+    sources=[_relative(_HERE / name) for name in SOURCES],
     include_dirs=[
         _relative(_HERE),
         *_include_dirs("fuse3", "/usr/include/fuse3"),
@@ -124,7 +137,7 @@ ffibuilder.set_source(
     ],
     # msgpack-c names its C library msgpackc up to 4.x (Debian 12), msgpack-c from 6.x.
     libraries=[*_libraries("fuse3", "fuse3"), *_libraries("msgpack", "msgpackc")],
-    depends=[_relative(_HERE / name) for name in ("ring.h", "bridge.h")],
+    depends=[_relative(_HERE / name) for name in HEADERS],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror"],
 )
 

@@ -73,3 +73,54 @@ def test_a_mounted_volume_is_not_deleted_unless_forced(service: Anchor, tmp_path
             assert (where / "f").read_bytes() == b"kept\n"
         client.delete_volume(volume)  # unmounted: it goes
         assert volume not in {v["id"] for v in client.list_volumes()}
+
+
+def test_a_green_prunes_versions_nothing_needs_and_keeps_the_rest() -> None:
+    svc = Service()
+    green = svc.call("green.create", name="g", keep=2)["id"]
+    old = svc.work(green)  # starts from v0 and stays: v0 is kept anyway
+    for number in range(6):
+        work = svc.work(green)
+        svc.call("write", volume=work, path=f"/f{number}", data=b"x")
+        assert svc.submit(work)["ok"]
+        svc.raw("volume.delete", volume=work, force=True)
+    listed = {v["version"]: v["pruned"] for v in svc.call("versions", green=green)["versions"]}
+    assert listed == {0: False, 1: False, 2: False, 3: False, 4: False, 5: False, 6: False}
+    svc.raw("volume.delete", volume=old, force=True)  # now nothing starts from v0's successors
+    assert svc.call("gc")["pruned"] == {green: [1, 2, 3, 4]}
+    listed = {v["version"]: v["pruned"] for v in svc.call("versions", green=green)["versions"]}
+    assert listed == {0: False, 1: True, 2: True, 3: True, 4: True, 5: False, 6: False}
+    refused = svc.raw("work.create", green=green, name="late", version=2)
+    assert refused["ok"] is False and refused["error"]["code"] == "NotFound", refused
+    refused = svc.raw("changed_since", green=green, version=0)
+    assert refused["ok"] is False and "pruned" in refused["error"]["message"], refused
+    assert svc.call("changed_since", green=green, version=5) == ["/f5"]
+    assert svc.read(green, "/f0") == b"x"  # the head keeps everything it holds
+    assert_same_after_replay(svc)
+
+
+def assert_same_after_replay(svc: Service) -> None:
+    replayed = svc.replayed()
+    assert [v.snapshot_id for v in replayed.greens[next(iter(replayed.greens))]] == [
+        v.snapshot_id for v in svc.svc.greens[next(iter(svc.svc.greens))]
+    ]
+    assert set(replayed.snapshots) == set(svc.svc.snapshots)
+
+
+def test_a_snapshot_is_deleted_unless_something_needs_it() -> None:
+    svc = Service()
+    volume = svc.call("volume.create", name="v")["id"]
+    svc.call("write", volume=volume, path="/f", data=b"kept")
+    snap = svc.call("snapshot", volume=volume)["id"]
+    clone = svc.call("clone", snapshot=snap, name="c")["id"]
+    refused = svc.raw("snapshot.delete", snapshot=snap)
+    assert refused["ok"] is False and "cloned" in refused["error"]["message"], refused
+    assert svc.raw("snapshot.delete", snapshot=snap, force=True)["ok"]
+    assert snap not in svc.svc.snapshots
+    assert svc.read(clone, "/f") == b"kept"  # the clone keeps what it shares
+    green = svc.call("green.create", name="g")["id"]
+    version0 = svc.svc.greens[green][0].snapshot_id
+    refused = svc.raw("snapshot.delete", snapshot=version0)
+    assert refused["ok"] is False and "green" in refused["error"]["message"], refused
+    missing = svc.raw("snapshot.delete", snapshot="snap-0-999")
+    assert missing["error"]["code"] == "NotFound"

@@ -249,6 +249,13 @@ def test_absent_xattr_set() -> None:
     assert run([keys[0]], keys[0])
 
 
+def test_absence_learned_across_an_invalidation_is_not_recorded() -> None:
+    # The watcher thread's invalidation between a request and its reply must
+    # win: the loop thread records nothing learned from before it.
+    assert lib.bridge_test_absent_since(70001, 0) == 1
+    assert lib.bridge_test_absent_since(70011, 1) == 0
+
+
 def test_malformed_replies_are_rejected() -> None:
     out = ffi.new("int64_t[11]")
     for bad in (b"", b"\xc1", pack({"ok": True}), msgpack.packb([1, 2]), pack(ok_reply(1, {}))):
@@ -286,6 +293,8 @@ class FakeShard:
         self.threads: list[threading.Thread] = []
         self.stopping = threading.Event()
         self.hold = threading.Event()  # set: take requests but do not answer them
+        # True: lookups' ATTRs carry the optional "xattrs" count (PROTOCOL.md).
+        self.xattr_counts = False
         path = str(self.runtime.shard_socket(0))
         self.runtime.write_state(
             AnchorState(os.getpid(), (ShardInfo(0, os.getpid(), path, 0),), 1 << 30)
@@ -392,6 +401,8 @@ class FakeShard:
                     self.negative_lookups += 1
                     raise
                 self._retain(a.ino)
+                if self.xattr_counts:
+                    return {**attr_map(a), "xattrs": len(v.listxattr(a.ino))}
                 return attr_map(a)
             case "fs.forget":
                 for ino, n in args["items"]:
@@ -740,6 +751,65 @@ def test_mount_serves_posix_basics(fake: tuple[FakeShard, Path], mount: MountedB
     counts = mount.counts()
     assert counts.get("OPEN", 0) <= 1 and counts.get("OPENDIR", 0) <= 1
     assert counts.get("FLUSH", 0) <= 1
+
+
+def _asked(shard: FakeShard, op: str) -> int:
+    with shard.lock:
+        return sum(1 for seen in shard.seen if seen[2] == op)
+
+
+def _no_attribute(path: Path, name: str) -> bool:
+    try:
+        os.getxattr(path, name)
+    except OSError as exc:
+        if exc.errno == errno.ENODATA:
+            return True
+        raise
+    return False
+
+
+@needs_fuse
+def test_probed_xattrs_known_absent(fake: tuple[FakeShard, Path], mount: MountedBridge) -> None:
+    """security.* probes are answered by the bridge only when the shard told it absence."""
+    shard, _base = fake
+    m = mount.mountpoint
+    # A base file: the first probe asks the shard, the second does not.
+    assert _no_attribute(m / "README", "security.capability")
+    assert _asked(shard, "fs.getxattr") == 1
+    assert _no_attribute(m / "README", "security.capability")
+    assert _asked(shard, "fs.getxattr") == 1
+    # A file made through the mount has no xattrs: neither a probe nor the
+    # kernel's own security.capability check on write(2) asks the shard.
+    with open(m / "made", "xb", buffering=0) as f:
+        f.write(b"one")
+        f.write(b"two")
+    assert _no_attribute(m / "made", "security.capability")
+    os.mkdir(m / "dir")
+    assert _no_attribute(m / "dir", "security.selinux")
+    assert _asked(shard, "fs.getxattr") == 1
+    # A security.* name set through the mount is no longer "absent"; removed, it is again.
+    os.setxattr(m / "made", "security.selinux", b"label\0")
+    assert os.getxattr(m / "made", "security.selinux") == b"label\0"
+    assert _asked(shard, "fs.getxattr") == 2
+    os.removexattr(m / "made", "security.selinux")
+    assert _no_attribute(m / "made", "security.selinux")
+    assert _asked(shard, "fs.getxattr") == 3
+    assert _no_attribute(m / "made", "security.selinux")
+    assert _asked(shard, "fs.getxattr") == 3
+    # A hard link names an existing inode: what it holds is not assumed.
+    os.setxattr(m / "made", "security.selinux", b"kept")
+    os.link(m / "made", m / "other-name")
+    assert os.getxattr(m / "other-name", "security.selinux") == b"kept"
+    # An ATTR that counts the inode's xattrs tells absence with no probe at all...
+    shard.xattr_counts = True
+    assert _no_attribute(m / "src" / "main.c", "security.capability")
+    assert _asked(shard, "fs.getxattr") == 4
+    # ... and presence too: a counted inode that has some is still asked.
+    with shard.lock:
+        ino = shard.volume.lookup(1, "big.bin").ino
+        shard.volume.setxattr(ino, "security.selinux", b"set-by-another", 0, time_ns=1)
+    assert os.getxattr(m / "big.bin", "security.selinux") == b"set-by-another"
+    assert _asked(shard, "fs.getxattr") == 5
 
 
 WARM_PASS = (

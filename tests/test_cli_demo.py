@@ -210,10 +210,10 @@ def test_keep_refuses_a_file(cli_env: dict[str, str], tmp_path: Path) -> None:
 def test_error_exit_codes_follow_fault(cli_env: dict[str, str], error: str, code: int) -> None:
     # Drive the real click command with a library call that fails.
     script = (
-        "import sys, slates.errors as e, slates_cli.main as m\n"
+        "import sys, slates.errors as e, slates_cli.main as m, slates_cli.demo as d\n"
         "def boom(keep):\n"
         f"    raise e.{error}('made to fail', path='/x')\n"
-        "m.run_demo = boom\n"
+        "d.run_demo = boom  # main imports it when the command runs\n"
         "m.main(['demo', '--json'])\n"
     )
     done = subprocess.run(

@@ -4,7 +4,8 @@ An agent with only the SDK (no credential file, no terminal) must not read
 the approver credential through a plan, a base or read_base; disk reads
 stop at the manifest's own entries and never block on a fifo or leak
 descriptors; a landing removes only its own temporary names and puts back
-an outside save a crash left in one; an empty credential approves nothing.
+an outside save a crash left in one; an empty credential approves nothing;
+setuid, setgid and sticky bits are highlighted before the human is asked.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from pathlib import Path
 
 import blake3
 import pytest
+from rich.console import Console
 
+from cli import land as cli_land
 from slates import Client
 from slates.errors import AccessDenied, InvalidArgument
 from slates.land.disk import Target
 from slates.land.manifest import Decision, Entry, State
 from slates.node.runtime import Runtime
 from tests.anchor_fixture import Service, service
+from tests.test_cli_land import _approve_on_a_terminal
+from tests.test_mount import mounted
 
 __all__ = ["service"]
 
@@ -129,3 +134,54 @@ def test_a_short_or_empty_credential_is_replaced(tmp_path: Path) -> None:
     assert runtime.approver_key_file.stat().st_mode & 0o777 == 0o600
     runtime.ensure_approver_key()
     assert runtime.approver_key_file.read_bytes().strip() == key  # kept once good
+
+
+def test_the_approval_screen_highlights_setuid_setgid_and_sticky_before_asking(
+    service: Service, tmp_path: Path
+) -> None:
+    """An agent's `chmod u+s` in its mount is landed only as the human saw it: the table
+    marks the entry and a warning names it before the question on the terminal."""
+    project = _project(tmp_path / "project")
+    with Client(service.runtime) as client:
+        green = client.create_green("main", base=project)
+        work = str(client.create_work(green, "w")["id"])
+        client.write(work, "/src/tool", b"#!/bin/sh\n")
+        client.write(work, "/src/plain", b"plain\n")
+        with mounted(client, work, tmp_path / "mnt") as mnt:
+            os.chmod(mnt / "src" / "tool", 0o4755)
+            os.chmod(mnt / "src" / "plain", 0o755)
+        plan = client.land_plan(work, project)
+    modes = {e["path"]: e["proposed"][2] for e in plan["entries"]}
+    assert modes == {"src/plain": 0o755, "src/tool": 0o4755}
+    code, output = _approve_on_a_terminal(service, plan["manifest"], "nope")
+    assert code != 0 and "not approved" in output
+    question = output.index("to approve landing")
+    warning = output.index("WARNING: 1 entry lands with setuid")
+    assert warning < question
+    assert "SETUID" in output[:question] and "setuid" in output[warning:question]
+    assert "src/tool" in output[warning:question]
+    assert "src/plain" not in output[warning:question]  # only the entry that asks
+    assert "SETUID/SETGID/STICKY" in output[question:]  # said again in the question
+    assert not (project / "src" / "tool").exists()  # nothing landed
+
+
+def test_the_manifest_table_marks_only_entries_with_special_bits() -> None:
+    digest = "0" * 64
+    plan = {
+        "manifest": "man-0-" + digest,
+        "source": "snap-1",
+        "target": "/t",
+        "entries": [
+            {"path": "a", "witnessed": None, "proposed": ["file", digest, 0o2755]},
+            {"path": "b", "witnessed": None, "proposed": ["dir", None, 0o1777]},
+            {"path": "c", "witnessed": ["file", digest, 0o4755], "proposed": None},
+            {"path": "d", "witnessed": None, "proposed": ["file", digest, 0o755]},
+        ],
+    }
+    console = Console(record=True, width=200)
+    console.print(cli_land._manifest_table(plan, "Approve"))
+    cells = [[c.strip() for c in line.split("│")] for line in console.export_text().splitlines()]
+    rows = {row[2]: row[4] for row in cells if len(row) == 6 and row[2] in "abcd"}
+    assert sorted(rows) == ["a", "b", "c", "d"]
+    assert "SETGID" in rows["a"] and "STICKY" in rows["b"]
+    assert not any(word in rows[p] for p in ("c", "d") for word in ("SETUID", "SETGID"))

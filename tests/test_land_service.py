@@ -82,7 +82,10 @@ def rebuilt(view: dict[str, Any]) -> Manifest:
         Entry(e["path"], State.from_wire(e["witnessed"]), State.from_wire(e["proposed"]))
         for e in view["entries"]
     )
-    return Manifest(view["source"], view["target"], entries)
+    identity = view["target_identity"]
+    return Manifest(
+        view["source"], view["target"], entries, None if identity is None else tuple(identity)
+    )
 
 
 def make_tree(root: Path, files: dict[str, bytes]) -> Path:

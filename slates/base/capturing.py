@@ -13,14 +13,20 @@ second walk without touching ctime, which the kernel does not allow, or a
 writer that keeps a file open and writes after the second walk: that
 write belongs to a later version either way.
 
+The source is opened once (slates.base.live.LiveDirectory over a
+slates.base.beneath.Anchored directory): both walks and every read go
+beneath that fd, so the capture reads the directory that was checked and
+nothing a symlink swapped in later points at.
+
 Called by the CLI and SDK for `volume create --capture`.
 """
 
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
+from slates.base.beneath import Anchored
 from slates.base.live import LiveDirectory
 from slates.core.host import Host
 from slates.core.records import BaseEntry, Kind
@@ -60,26 +66,42 @@ def _walk(live: LiveDirectory, path: str) -> Iterator[BaseEntry]:
 
 
 def capture(
-    source: str,
+    source: str | Anchored,
     host: Host,
     *,
     snapshot_id: str,
     capacity: Capacity | None = None,
     case_insensitive: bool = False,
+    protected: Sequence[str] = (),
 ) -> Snapshot:
     """Capture `source` into a snapshot held by `host`."""
     volume = Volume.new(host, capacity=capacity, case_insensitive=case_insensitive)
     try:
-        return capture_into(source, volume, snapshot_id=snapshot_id)
+        return capture_into(source, volume, snapshot_id=snapshot_id, protected=protected)
     finally:
         volume.close()
 
 
-def capture_into(source: str, volume: Volume, *, snapshot_id: str) -> Snapshot:
-    """Fill an empty base-less volume with `source` through records, then snapshot it."""
+def capture_into(
+    source: str | Anchored, volume: Volume, *, snapshot_id: str, protected: Sequence[str] = ()
+) -> Snapshot:
+    """Fill an empty base-less volume with `source` through records, then snapshot it.
+
+    `source`: a path (opened once here, refused if it reaches a `protected`
+    directory or is on FUSE) or an Anchored directory the caller opened.
+    """
     if volume.base is not None or volume.readdir(ROOT_INO):
         raise InvalidArgument("capture needs an empty volume without a base")
-    live = LiveDirectory(source)
+    live = LiveDirectory(source, protected=protected)
+    try:
+        return _capture(live, volume, snapshot_id)
+    finally:
+        if not isinstance(source, Anchored):
+            live.close()
+
+
+def _capture(live: LiveDirectory, volume: Volume, snapshot_id: str) -> Snapshot:
+    source = live.root
     top = live.stat("/")
     if top is None:
         raise ConsistentBaseUnavailable("the source vanished", path=source)

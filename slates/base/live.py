@@ -10,6 +10,14 @@ are reported as links and never followed.  Paths are volume paths
 ("/a/b"), resolved beneath the base root; a name that would leave the root
 is refused.
 
+The base directory is opened once, when the reader is made
+(slates.base.beneath.Anchored: never on a FUSE file system, never the
+runtime directory or around or inside it), and every stat, list and read
+walks from that fd with openat2 (no symlink, no "..", no other mount on
+the way), so renaming or swapping anything on the path that named the
+base changes nothing afterwards.  A mount point inside the base is listed
+as a directory; stat and read of it are AccessDenied.
+
 Called by slates.core.volume.Volume (through the BaseReader protocol) and
 by slates.base.capturing.
 """
@@ -19,9 +27,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Sequence
 
+from slates.base.beneath import Anchored, lstat_beneath
 from slates.core.records import BaseEntry, Fingerprint, Kind
-from slates.errors import BaseDrift, InvalidArgument, NotFound
+from slates.errors import AccessDenied, BaseDrift, InvalidArgument
 
 __all__ = ["LiveDirectory", "kind_of_mode", "fingerprint_of"]
 
@@ -37,6 +47,9 @@ _KINDS = {
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+# Non-blocking: a fifo swapped in for a file must not stall the shard.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 
@@ -49,15 +62,27 @@ def fingerprint_of(st: os.stat_result) -> Fingerprint:
 
 
 class LiveDirectory:
-    def __init__(self, root: str) -> None:
-        root = os.path.abspath(root)
-        try:
-            st = os.stat(root)
-        except FileNotFoundError:
-            raise NotFound("base directory does not exist", path=root) from None
-        if not stat.S_ISDIR(st.st_mode):
-            raise InvalidArgument("base is not a directory", path=root)
-        self.root = root
+    """A base directory anchored once (slates.base.beneath); every read walks beneath it.
+
+    `root` is a path (resolved once, here) or an Anchored directory the
+    caller opened (then the caller closes it); `protected` are the
+    directories the base must not be, hold or lie inside.
+    """
+
+    def __init__(self, root: str | Anchored, *, protected: Sequence[str] = ()) -> None:
+        if isinstance(root, Anchored):
+            self.anchor = root
+        else:
+            self.anchor = Anchored(os.path.abspath(root), protected=protected, what="base")
+        self.root = self.anchor.path
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        """(st_dev, st_ino) of the base directory, recorded when it was opened."""
+        return self.anchor.identity
+
+    def close(self) -> None:
+        self.anchor.close()
 
     def _parts(self, path: str) -> list[str]:
         if not path.startswith("/"):
@@ -68,41 +93,25 @@ class LiveDirectory:
         return parts
 
     def _open_dir(self, parts: list[str]) -> int:
-        """An fd of the directory at `parts`, walked without following any symlink.
-
-        A directory swapped for a symlink (to /etc, say) fails here instead of
-        leading the volume outside the base.
-        """
-        fd = os.open(self.root, _DIR_FLAGS)
-        try:
-            for part in parts:
-                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                os.close(fd)
-                fd = child
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        """An fd of the directory at `parts`, beneath the base: no symlink, no mount on
+        the way (a directory swapped for a symlink to /etc fails here)."""
+        return self.anchor.open("/".join(parts) or ".", _DIR_FLAGS)
 
     def stat(self, path: str) -> BaseEntry | None:
         parts = self._parts(path)
         if not parts:
-            return self._entry("/", os.stat(self.root), "")
+            return self._entry("/", os.fstat(self.anchor.fd), "")
         try:
-            dir_fd = self._open_dir(parts[:-1])
+            fd = self.anchor.open("/".join(parts), _PATH_FLAGS)
         except OSError as exc:
             if exc.errno in _GONE:
                 return None
             raise
         try:
-            st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
-            target = os.readlink(parts[-1], dir_fd=dir_fd) if stat.S_ISLNK(st.st_mode) else ""
-        except OSError as exc:
-            if exc.errno in _GONE:
-                return None
-            raise
+            st = os.fstat(fd)
+            target = os.readlink("", dir_fd=fd) if stat.S_ISLNK(st.st_mode) else ""
         finally:
-            os.close(dir_fd)
+            os.close(fd)
         return self._entry("/" + "/".join(parts), st, target)
 
     @staticmethod
@@ -136,9 +145,12 @@ class LiveDirectory:
             with os.scandir(dir_fd) as entries:
                 for entry in entries:
                     try:
-                        mode = entry.stat(follow_symlinks=False).st_mode
+                        mode = lstat_beneath(dir_fd, entry.name).st_mode
                     except FileNotFoundError:
                         continue  # removed while listing
+                    except AccessDenied:
+                        # A mount point: listed, but stat and read refuse to enter it.
+                        mode = stat.S_IFDIR
                     out.append((entry.name, kind_of_mode(mode)))
         finally:
             os.close(dir_fd)
@@ -146,12 +158,10 @@ class LiveDirectory:
 
     def read(self, path: str, fingerprint: Fingerprint, offset: int, size: int) -> bytes:
         parts = self._parts(path)
+        if not parts:
+            raise InvalidArgument("the base directory itself has no content", path=path)
         try:
-            dir_fd = self._open_dir(parts[:-1])
-            try:
-                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-            finally:
-                os.close(dir_fd)
+            fd = self.anchor.open("/".join(parts), _READ_FLAGS)
         except OSError as exc:
             if exc.errno in _GONE:
                 raise BaseDrift("base file is gone", path=path) from None

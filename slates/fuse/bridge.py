@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 `python -m slates.fuse.bridge --runtime-dir R --volume VID --mountpoint DIR`
 is one bridge process per mount.  Its per-request path is C
-(native/bridge.c, in the slates._native extension): a libfuse3 low-level
+(native/bridge_*.c, in the slates._native extension): a libfuse3 low-level
 session on a single thread, whose op callbacks encode each kernel request
 as one msgpack `fs.*` request (slates/fuse/PROTOCOL.md), push it onto the
 shared-memory request ring, spin and then park on the reply ring's eventfd
@@ -38,8 +38,15 @@ re-reading a file costs one GETATTR; without it, a pass over an unchanged
 tree sends nothing once the atimes the first READs invalidated have been
 re-fetched.  The xattr names the kernel and tools probe constantly
 (security.capability on every write(2), ACLs and SELinux labels for
-`ls -l`) are answered from a per-inode memory of the shard's "no such
-attribute" (native/bridge.c), so they cost no round trip after the first.
+`ls -l`) are answered from a per-inode memory of absence that only the
+shard teaches (its "no such attribute", an ATTR counting no xattrs, or an
+inode this mount just created: native/bridge_cache.c), so they cost no
+round trip after the first, and none at all for files made in the mount.
+The kernel is also asked for cached symlinks, parallel directory
+operations, asynchronous reads and a deeper background queue
+(max_background 64); the loop stays one thread, because the ring link
+keeps one request in flight and the shard applies a volume's requests in
+order (native/bridge_session.c).
 A counter per FUSE opcode (plus round trips, reconnects and failures)
 lives in C; with --counters FILE it is a shared file mapping that
 `read_counters` reads from any process.

@@ -1,10 +1,14 @@
 """Writing a landing to the target directory: one entry at a time, each old or new.
 
-Theory of operation (DESIGN.md section 6).  `Target` opens the target
-directory, takes the target lease (an exclusive flock on the directory,
-so Slates' own landings into one directory are serialized), and reaches
-every path component by component with O_NOFOLLOW: a symlink anywhere on
-the way is refused, so no entry can write outside the target.
+Theory of operation (DESIGN.md sections 6 and 6a).  `Target` opens the
+target directory once (slates.base.beneath.Anchored: never on FUSE, never
+the runtime directory, around it or inside it; with `identity`, only the
+very directory recorded at plan time), takes the target lease (an
+exclusive flock on the directory, so Slates' own landings into one
+directory are serialized), and reaches every entry from that fd with
+openat2 (no symlink, no "..", no other mount on the way): swapping a
+symlink on the target's path after it was opened changes nothing, and no
+entry can be read or written outside the target.
 
 Every entry is decided by slates.land.manifest.decide against the disk
 *now* (`land_entry` also says why a conflict is one: explain's words, or
@@ -18,8 +22,15 @@ someone changed the file between the decision and the swap, it is swapped
 back and reported as a conflict, so an outside writer's bytes are never
 replaced.  Removals move the entry aside first and check it the same way.
 
-A temporary name left by a crash (".slates-land-...") is removed by the
-next landing into that directory.  Called by slates.node.service.
+Names are bytes on disk: a name that is not UTF-8 (a surrogateescape
+string) lands like any other.  Modes are the manifest's: a new file is
+written as 0600 and gets its proposed mode only once its bytes are
+durable, so setuid, setgid and sticky bits appear only when the proposed
+mode carries them (the approval screen highlights those entries), never
+on a half-written file.  An entry that fails while its new content is
+being built removes its temporary name before the error goes on; a
+temporary name left by a crash (".slates-land-...") is removed by the
+next landing into that directory.  Called by slates.node.landing.
 """
 
 from __future__ import annotations
@@ -33,19 +44,19 @@ import os
 import signal
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 
 import blake3
 
+from slates.base.beneath import Anchored, lstat_beneath, open_beneath
 from slates.errors import (
     AccessDenied,
     InvalidArgument,
     LandingConflict,
-    NotFound,
     VerificationFailed,
 )
-from slates.land.manifest import Decision, Entry, State, check_relative, explain
+from slates.land.manifest import Decision, Entry, State, check_relative, explain, landed_mode
 
 __all__ = ["Applied", "Target", "state_of_bytes", "TEMP_PREFIX", "LEASE_SECONDS"]
 
@@ -78,7 +89,7 @@ class Applied:
 
 
 def _renameat2(src_dir: int, src: str, dst_dir: int, dst: str, flags: int) -> None:
-    if _libc.renameat2(src_dir, src.encode(), dst_dir, dst.encode(), flags) != 0:
+    if _libc.renameat2(src_dir, os.fsencode(src), dst_dir, os.fsencode(dst), flags) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), dst)
 
@@ -95,7 +106,7 @@ def _open_regular(dir_fd: int, name: str) -> int | None:
     """
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     try:
-        fd = os.open(name, flags, dir_fd=dir_fd)
+        fd = open_beneath(dir_fd, name, flags)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO, errno.ENOENT):
             return None
@@ -122,18 +133,31 @@ def _failpoint() -> None:
 class Target:
     """A target directory under the lease; use as a context manager."""
 
-    def __init__(self, path: str, *, lease: bool = True) -> None:
-        if not os.path.isabs(path):
+    def __init__(
+        self,
+        path: str | Anchored,
+        *,
+        lease: bool = True,
+        protected: Sequence[str] = (),
+        identity: Sequence[int] | None = None,
+    ) -> None:
+        """`path`: the target (opened once here) or an Anchored directory the caller
+        opened and keeps; `protected`: directories it must not reach; `identity`: the
+        (st_dev, st_ino) recorded at plan time, refused if the directory is another."""
+        if isinstance(path, str) and not os.path.isabs(path):
             raise InvalidArgument("the target must be an absolute directory", target=path)
+        if isinstance(path, Anchored):
+            anchor = path
+        else:
+            anchor = Anchored(path, protected=protected, what="target")
         try:
-            self.fd = os.open(path, _DIR_FLAGS)
-        except FileNotFoundError:
-            raise NotFound("the target directory does not exist", target=path) from None
-        except OSError as exc:
-            raise InvalidArgument(
-                "the target is not a directory", target=path, reason=str(exc)
-            ) from None
-        self.path = path
+            anchor.expect(identity)
+            self.fd = anchor.reopen()  # its own open file: its own lease
+        finally:
+            if anchor is not path:
+                anchor.close()
+        self.identity = anchor.identity
+        self.path = anchor.path
         self._pending_modes: list[tuple[str, int]] = []
         self._leased = lease
         if lease:
@@ -177,22 +201,15 @@ class Target:
         (the entry is then absent), AccessDenied when one is a symlink.
         """
         parts = check_relative(path).split("/")
-        fd = os.dup(self.fd)
         try:
-            for part in parts[:-1]:
-                try:
-                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-                        raise
-                    with contextlib.suppress(OSError):
-                        if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
-                            raise AccessDenied(
-                                "a path component on disk is a symlink", path=path
-                            ) from None
-                    raise _ParentGone(path) from None
-                os.close(fd)
-                fd = child
+            fd = open_beneath(self.fd, "/".join(parts[:-1]) or ".", _DIR_FLAGS)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise AccessDenied("a path component on disk is a symlink", path=path) from None
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise _ParentGone(path) from None
+            raise
+        try:
             yield fd, parts[-1]
         finally:
             os.close(fd)
@@ -200,14 +217,14 @@ class Target:
     @staticmethod
     def _state_at(dir_fd: int, name: str) -> State | None:
         try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            st = lstat_beneath(dir_fd, name)
         except FileNotFoundError:
             return None
         mode = stat.S_IMODE(st.st_mode)
         if stat.S_ISDIR(st.st_mode):
             return State("dir", None, mode)
         if stat.S_ISLNK(st.st_mode):
-            return state_of_bytes("symlink", os.readlink(name, dir_fd=dir_fd).encode(), 0o777)
+            return state_of_bytes("symlink", os.fsencode(os.readlink(name, dir_fd=dir_fd)), 0o777)
         if not stat.S_ISREG(st.st_mode):
             return State("other", "", mode)  # never equal to a manifest state
         fd = _open_regular(dir_fd, name)
@@ -232,9 +249,9 @@ class Target:
         """What the disk holds at `path` now (None when absent); a symlink gives its target."""
         try:
             with self._parent(path) as (dir_fd, name):
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                st = lstat_beneath(dir_fd, name)
                 if stat.S_ISLNK(st.st_mode):
-                    return os.readlink(name, dir_fd=dir_fd).encode()
+                    return os.fsencode(os.readlink(name, dir_fd=dir_fd))
                 if stat.S_ISDIR(st.st_mode):
                     raise InvalidArgument("a directory has no content", path=path)
                 if st.st_size > MAX_READ:
@@ -296,8 +313,16 @@ class Target:
         leftover = self._state_at(dir_fd, temp)
         if leftover is None:
             return True
-        ours = leftover in (entry.witnessed, entry.proposed) or (
-            leftover.kind == "dir" and self._is_empty_dir(dir_fd, temp)
+        proposed = entry.proposed
+        ours = (
+            leftover in (entry.witnessed, proposed)
+            or (leftover.kind == "dir" and self._is_empty_dir(dir_fd, temp))
+            # Our proposal's bytes, still 0600: a write that had not set its mode yet.
+            or (
+                proposed is not None
+                and (leftover.kind, leftover.digest, leftover.mode)
+                == (proposed.kind, proposed.digest, 0o600)
+            )
         )
         if ours:
             self._discard(dir_fd, temp)
@@ -309,7 +334,7 @@ class Target:
 
     @staticmethod
     def _is_empty_dir(dir_fd: int, name: str) -> bool:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        fd = open_beneath(dir_fd, name, _DIR_FLAGS)
         try:
             return not os.listdir(fd)
         finally:
@@ -327,28 +352,31 @@ class Target:
             and witnessed.digest == proposed.digest
         ):
             return self._chmod(dir_fd, name, proposed, entry.path)
-        # Build the whole new entry under the temporary name first.
-        if proposed.kind == "dir":
-            os.mkdir(temp, 0o700, dir_fd=dir_fd)
-            self._set_dir_mode(dir_fd, temp, entry.path, proposed.mode)
-        elif content is None or state_of_bytes(proposed.kind, content, 0).digest != proposed.digest:
+        if proposed.kind != "dir" and (
+            content is None or state_of_bytes(proposed.kind, content, 0).digest != proposed.digest
+        ):
             raise VerificationFailed(
                 "the content to write is not the approved proposal", path=entry.path
             )
-        else:
-            self._write_temp(dir_fd, temp, proposed, content)
+        self._build(dir_fd, temp, entry.path, proposed, content or b"")
         if witnessed is None:
             try:
                 _renameat2(dir_fd, temp, dir_fd, name, _RENAME_NOREPLACE)
             except FileExistsError:
                 self._discard(dir_fd, temp)
                 return Decision.CONFLICT  # something appeared meanwhile: leave it
+            except BaseException:
+                self._discard_built(dir_fd, temp)
+                raise
             return Decision.APPLY
         try:
             _renameat2(dir_fd, temp, dir_fd, name, _RENAME_EXCHANGE)  # any kinds
         except FileNotFoundError:
             self._discard(dir_fd, temp)
             return Decision.CONFLICT  # removed meanwhile
+        except BaseException:
+            self._discard_built(dir_fd, temp)  # nothing was swapped: temp is ours alone
+            raise
         return self._settle(dir_fd, name, temp, witnessed, proposed)
 
     def _settle(
@@ -382,27 +410,48 @@ class Target:
             _renameat2(dir_fd, temp, dir_fd, name, _RENAME_EXCHANGE)
         return Decision.CONFLICT  # a busy writer: their bytes stay; a temporary name may remain
 
+    def _build(self, dir_fd: int, temp: str, path: str, proposed: State, content: bytes) -> None:
+        """The whole new entry under the temporary name; on any failure the temporary
+        name is removed before the error goes on (nothing half-built stays behind)."""
+        try:
+            if proposed.kind == "dir":
+                os.mkdir(temp, 0o700, dir_fd=dir_fd)
+                self._set_dir_mode(dir_fd, temp, path, proposed.mode)
+            else:
+                self._write_temp(dir_fd, temp, proposed, content)
+        except BaseException:
+            self._discard_built(dir_fd, temp)
+            raise
+
+    def _discard_built(self, dir_fd: int, temp: str) -> None:
+        """Remove what this landing built at `temp` after a failure (the error that
+        caused it is the one reported; a directory is empty: nothing went into it yet)."""
+        with contextlib.suppress(OSError):
+            self._discard(dir_fd, temp)
+
     def _write_temp(self, dir_fd: int, temp: str, proposed: State, content: bytes) -> None:
         if proposed.kind == "symlink":
-            os.symlink(content.decode("utf-8", "surrogateescape"), temp, dir_fd=dir_fd)
+            os.symlink(os.fsdecode(content), temp, dir_fd=dir_fd)
             return
+        # 0600 while it is written: the proposed mode (setuid, say) only on whole bytes.
         fd = os.open(
             temp,
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            proposed.mode,
+            0o600,
             dir_fd=dir_fd,
         )
         try:
             view = memoryview(content)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fchmod(fd, proposed.mode)
+            os.fsync(fd)
+            os.fchmod(fd, landed_mode(proposed))
             os.fsync(fd)
         finally:
             os.close(fd)
 
     def _discard(self, dir_fd: int, name: str) -> None:
-        if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        if stat.S_ISDIR(lstat_beneath(dir_fd, name).st_mode):
             os.rmdir(name, dir_fd=dir_fd)
         else:
             os.unlink(name, dir_fd=dir_fd)
@@ -432,7 +481,7 @@ class Target:
         """A new directory's mode, exactly (whatever the umask); one that would
         keep this landing from writing inside it is set by `finish`, at the end."""
         if mode & 0o300 == 0o300:
-            os.chmod(temp, mode, dir_fd=dir_fd)
+            os.chmod(temp, mode, dir_fd=dir_fd)  # exactly: also clears an inherited setgid
         else:
             self._pending_modes.append((path, mode))
 
@@ -440,9 +489,9 @@ class Target:
         """Apply the directory modes held back until the entries inside were written."""
         for path, mode in sorted(self._pending_modes, key=lambda pm: -pm[0].count("/")):
             with contextlib.suppress(_ParentGone, OSError), self._parent(path) as (dir_fd, name):
-                fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                fd = open_beneath(dir_fd, name, _DIR_FLAGS)
                 try:
-                    os.fchmod(fd, mode)
+                    os.fchmod(fd, mode)  # the manifest's mode: special bits only if it has them
                 finally:
                     os.close(fd)
         self._pending_modes.clear()
@@ -453,10 +502,10 @@ class Target:
         if proposed.kind == "dir" and proposed.mode & 0o300 != 0o300:
             self._pending_modes.append((path, proposed.mode))
             return Decision.APPLY
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(name, flags | (os.O_DIRECTORY if proposed.kind == "dir" else 0), dir_fd=dir_fd)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        fd = open_beneath(dir_fd, name, flags | (os.O_DIRECTORY if proposed.kind == "dir" else 0))
         try:
-            os.fchmod(fd, proposed.mode)
+            os.fchmod(fd, landed_mode(proposed))
         finally:
             os.close(fd)
         return Decision.APPLY

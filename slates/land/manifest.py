@@ -2,11 +2,13 @@
 
 Theory of operation (DESIGN.md section 6, product description "Writing
 Approved Changes to Disk").  A manifest binds a proposal (a snapshot id),
-a target directory and one entry per path: the state *witnessed* (what the
-agents started from, or what `rewitness` recorded after review) and the
-state *proposed*.  A state is (kind, BLAKE3 of the content, mode) or
-None for "absent".  The manifest's id is the BLAKE3 of its canonical
-msgpack encoding, so changing the selection, a witness or a proposal
+a target directory (with the (st_dev, st_ino) the planner opened there:
+landing then refuses any other directory found at that path) and one
+entry per path: the state *witnessed* (what the agents started from, or
+what `rewitness` recorded after review) and the state *proposed*.  A
+state is (kind, BLAKE3 of the content, mode) or None for "absent".  The
+manifest's id is the BLAKE3 of its canonical msgpack encoding, so
+changing the selection, a witness, a proposal or the target's identity
 changes the id, and a grant bound to one id approves nothing else.
 
 `decide(witnessed, disk, proposed)` is the product's table:
@@ -19,6 +21,11 @@ changes the id, and a grant bound to one id approves nothing else.
 entry vanished, appeared, is of another kind, changed its content
 (BLAKE3 on disk and witnessed) or its mode.  The approval screen, every
 landing outcome and `rewitness --merge` use its words.
+
+Modes: a state's mode is its permission bits, setuid, setgid and sticky
+included (0o7777).  Those three land only when the proposed mode carries
+them (`landed_mode`), and `special_bits` names them so the approval
+screen highlights every entry that asks for them before a human approves.
 
 Entries are checked as relative paths with no "." or ".." components, so
 a manifest can never name anything outside its target.  Pure: no I/O;
@@ -48,10 +55,15 @@ __all__ = [
     "check_relative",
     "manifest_from_wire",
     "order_for_apply",
+    "landed_mode",
+    "special_bits",
+    "SPECIAL_BITS",
 ]
 
 KINDS = ("file", "dir", "symlink")
 MAX_ENTRIES = 100_000
+SPECIAL_BITS = 0o7000
+_SPECIAL_NAMES = ((0o4000, "setuid"), (0o2000, "setgid"), (0o1000, "sticky"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +91,20 @@ class State:
         if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o7777:
             raise InvalidArgument("a malformed mode in a manifest")
         return cls(kind, digest, mode)
+
+
+def special_bits(state: State | None) -> list[str]:
+    """The setuid, setgid and sticky bits a state's mode carries, by name (a link has none)."""
+    if state is None or state.kind == "symlink":
+        return []
+    return [name for bit, name in _SPECIAL_NAMES if state.mode & bit]
+
+
+def landed_mode(state: State) -> int:
+    """The mode landing gives a proposal: its permission bits, and setuid, setgid and
+    sticky only as the proposed mode carries them (nothing of the disk's or the umask's)."""
+    allowed = 0o777 | (state.mode & SPECIAL_BITS if special_bits(state) else 0)
+    return state.mode & allowed
 
 
 def check_relative(path: str) -> str:
@@ -110,6 +136,9 @@ class Manifest:
     source: str  # the snapshot holding the proposed content
     target: str  # absolute target directory
     entries: tuple[Entry, ...]  # sorted by path, unique
+    # (st_dev, st_ino) of the target directory opened at plan time: every later
+    # access must find that very directory (part of the id: a grant approves it).
+    target_identity: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.target.startswith("/"):
@@ -124,9 +153,19 @@ class Manifest:
             if entry.witnessed is None and entry.proposed is None:
                 raise InvalidArgument("an entry must change something", path=entry.path)
             previous = entry.path
+        identity = self.target_identity
+        if identity is not None and not (
+            isinstance(identity, tuple)
+            and len(identity) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in identity)
+        ):
+            raise InvalidArgument("a malformed target identity in a manifest")
 
     def to_wire(self) -> list[Any]:
-        return [1, self.source, self.target, [entry.to_wire() for entry in self.entries]]
+        entries = [entry.to_wire() for entry in self.entries]
+        if self.target_identity is None:
+            return [1, self.source, self.target, entries]  # as before identities existed
+        return [2, self.source, self.target, entries, list(self.target_identity)]
 
     def encode(self) -> bytes:
         """The canonical encoding: the same manifest always gives the same bytes."""
@@ -175,6 +214,12 @@ class Manifest:
 
 
 def manifest_from_wire(raw: Any) -> Manifest:
+    identity: tuple[int, int] | None = None
+    if isinstance(raw, list) and len(raw) == 5 and raw[0] == 2:
+        if not (isinstance(raw[4], list) and len(raw[4]) == 2):
+            raise InvalidArgument("a malformed target identity in a manifest")
+        identity = (raw[4][0], raw[4][1])
+        raw = [1, *raw[1:4]]
     if not (isinstance(raw, list) and len(raw) == 4 and raw[0] == 1):
         raise InvalidArgument("a malformed manifest")
     _version, source, target, entries = raw
@@ -185,7 +230,7 @@ def manifest_from_wire(raw: Any) -> Manifest:
         if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)):
             raise InvalidArgument("a malformed manifest entry")
         parsed.append(Entry(item[0], State.from_wire(item[1]), State.from_wire(item[2])))
-    return Manifest(source, target, tuple(parsed))
+    return Manifest(source, target, tuple(parsed), identity)
 
 
 class Decision(enum.Enum):

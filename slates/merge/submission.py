@@ -43,6 +43,7 @@ from slates.merge.ranges import Replace
 __all__ = ["GreenPolicy", "Submission", "prepare", "REWRITES"]
 
 REWRITES = ("refine", "exact")
+DEFAULT_KEEP = 100
 ReadWhole = Callable[[int], bytes]  # ino -> the whole content of that file
 
 
@@ -52,19 +53,22 @@ class GreenPolicy:
 
     private: PrivatePolicy = dataclasses.field(default_factory=PrivatePolicy)
     rewrites: str = "refine"  # "exact": a rewrite stays one replacement of the whole file
+    keep: int = DEFAULT_KEEP  # versions kept whole (content and edits) behind the head
 
     def __post_init__(self) -> None:
         if self.rewrites not in REWRITES:
             raise InvalidArgument("rewrites is refine or exact", rewrites=self.rewrites)
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise InvalidArgument("keep is a positive number of versions", keep=str(self.keep))
 
     def to_wire(self) -> list[Any]:
-        return [self.private.to_wire(), self.rewrites]
+        return [self.private.to_wire(), self.rewrites, self.keep]
 
     @classmethod
     def from_wire(cls, raw: Any) -> GreenPolicy:
         match raw:
-            case [private, str(rewrites)]:
-                return cls(PrivatePolicy.from_wire(private), rewrites)
+            case [private, str(rewrites), int(keep)]:
+                return cls(PrivatePolicy.from_wire(private), rewrites, keep)
             case _:
                 raise InvalidArgument("a malformed green policy", policy=repr(raw)[:200])
 

@@ -119,7 +119,9 @@ class LandingDesk:
         *,
         max_held_blobs: int = MAX_HELD_BLOBS,
         max_held_bytes: int = MAX_HELD_BYTES,
+        protected: tuple[str, ...] = (),
     ) -> None:
+        self.protected = protected  # directories no target may reach (the runtime directory)
         self.plans: dict[str, Manifest] = {}
         self.grants: dict[str, list[Any]] = {}  # token -> [manifest id, used]
         self.held = HeldContent(max_held_blobs, max_held_bytes)
@@ -188,6 +190,10 @@ class LandingDesk:
 
     # -- plans --------------------------------------------------------------------
 
+    def sources(self) -> set[str]:
+        """The snapshots the registered plans land from (they must be kept)."""
+        return {manifest.source for manifest in self.plans.values()}
+
     def manifest(self, manifest_id: str) -> Manifest:
         found = self.plans.get(manifest_id)
         if found is None:
@@ -203,6 +209,7 @@ class LandingDesk:
         read: Callable[[Root, int], bytes],
         paths: list[str] | None,
         private: Private | None = None,
+        target_identity: tuple[int, int] | None = None,
     ) -> Manifest:
         """The manifest that takes the witness to the proposal (restricted to `paths`);
         private paths (`private(path, is_dir)`) are never part of it."""
@@ -218,7 +225,7 @@ class LandingDesk:
             new_state = None if new_ino is None else _state(proposal, new_ino, read)
             if old_state != new_state:
                 entries.append(Entry(path, old_state, new_state))
-        manifest = Manifest(source, target, tuple(entries))
+        manifest = Manifest(source, target, tuple(entries), target_identity)
         return manifest.select(paths) if paths else manifest
 
     def register(
@@ -260,6 +267,15 @@ class LandingDesk:
         emit(["grant", token, manifest_id])
         return token
 
+    def _target(self, manifest: Manifest, *, lease: bool = False) -> Target:
+        """The manifest's target, opened beneath the directory it was planned for."""
+        return Target(
+            manifest.target,
+            lease=lease,
+            protected=self.protected,
+            identity=manifest.target_identity,
+        )
+
     def check_grant(self, manifest_id: str, token: Any) -> None:
         grant = self.grants.get(token) if isinstance(token, str) else None
         if grant is None:
@@ -279,7 +295,7 @@ class LandingDesk:
         """Apply an approved manifest entry by entry; the grant is used once it is done."""
         self.check_grant(manifest.manifest_id, token)
         outcomes: list[dict[str, Any]] = []
-        with Target(manifest.target) as target:
+        with self._target(manifest, lease=True) as target:
             pending = order_for_apply(manifest.entries)
             for index, entry in enumerate(pending):
                 try:
@@ -313,20 +329,18 @@ class LandingDesk:
             "entries": outcomes,
         }
 
-    @staticmethod
-    def read_base(manifest: Manifest, path: str) -> bytes | None:
+    def read_base(self, manifest: Manifest, path: str) -> bytes | None:
         """What the disk holds now at one of the manifest's entries (nothing else)."""
         entry = _entry_at(manifest, path)
-        with Target(manifest.target, lease=False) as target:
+        with self._target(manifest) as target:
             return target.read(entry)
 
-    @staticmethod
-    def check(manifest: Manifest) -> list[dict[str, Any]]:
+    def check(self, manifest: Manifest) -> list[dict[str, Any]]:
         """What landing each entry would do if it were approved now ("apply", "identical",
         "conflict" or "fail"), and why a conflict or failure would be one (for the approval
         screen; reads the disk, changes nothing)."""
         out: list[dict[str, Any]] = []
-        with Target(manifest.target, lease=False) as target:
+        with self._target(manifest) as target:
             for entry in manifest.entries:
                 try:
                     disk = target.state(entry.path)
@@ -344,20 +358,18 @@ class LandingDesk:
                 )
         return out
 
-    @staticmethod
-    def disk_states(manifest: Manifest, paths: set[str]) -> dict[str, State | None]:
+    def disk_states(self, manifest: Manifest, paths: set[str]) -> dict[str, State | None]:
         """The disk's state now at these entries (a fifo or device shows as kind "other")."""
-        with Target(manifest.target, lease=False) as target:
+        with self._target(manifest) as target:
             return {e.path: target.state(e.path) for e in manifest.entries if e.path in paths}
 
-    @staticmethod
-    def observe(manifest: Manifest, paths: list[str] | None) -> dict[str, State | None]:
+    def observe(self, manifest: Manifest, paths: list[str] | None) -> dict[str, State | None]:
         """The disk's state now for the manifest's entries (or the chosen ones)."""
         entries = [e.path for e in (manifest.select(paths) if paths else manifest).entries]
         if paths and not entries:
             raise InvalidArgument("no entry of the manifest is at these paths", paths=paths[:8])
         observed: dict[str, State | None] = {}
-        with Target(manifest.target, lease=False) as target:
+        with self._target(manifest) as target:
             for path in entries:
                 state = target.state(path)
                 if state is not None and state.kind not in ("file", "dir", "symlink"):

@@ -22,6 +22,7 @@ slates.node.service for every `land.*` operation.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import os
 import posixpath
 from collections.abc import Callable
@@ -59,8 +60,10 @@ class LandingOps:
         return self.service.desk.manifest(parts[2])
 
     def _manifest_view(self, manifest: Manifest) -> dict[str, Any]:
+        identity = manifest.target_identity
         return {
             "manifest": self._manifest_ref(manifest.manifest_id),
+            "target_identity": None if identity is None else list(identity),
             "id": manifest.manifest_id,
             "source": manifest.source,
             "target": manifest.target,
@@ -181,7 +184,7 @@ class LandingOps:
                 case Unmerged():
                     entries.append(entry)
                     unmerged.append({"path": result.path, "reason": result.reason})
-        renewed = Manifest(manifest.source, manifest.target, tuple(entries))
+        renewed = dataclasses.replace(manifest, entries=tuple(entries))
         desk.register(renewed, self.service._emit, held)
         view = self._manifest_view(renewed)
         view["merged"] = merged
@@ -265,6 +268,7 @@ class LandingOps:
             if path.strip("/"):
                 check_relative(path.strip("/"))
         green = vid if vid in self.service.greens else self.service.works.get(vid, ("", 0))[0]
+        identity = self.service._check_unprotected(target, "target")  # before any realpath
         source_dir = self.service.green_sources.get(green)
         if source_dir is not None and os.path.realpath(target) != source_dir:
             raise InvalidArgument(
@@ -272,13 +276,14 @@ class LandingOps:
                 target=target,
                 directory=source_dir,
             )
-        self.service._check_unprotected(target, "target")
         if vid in self.service.greens:
             ledger = self.service.greens[vid]
             version = _int_arg(args, "version", len(ledger) - 1)
             if version >= len(ledger):
                 raise NotFound("no such version", green=vid, version=version)
             source, witness = ledger[version].snapshot_id, ledger[0].snapshot_id
+            if not source:
+                raise NotFound("that version was pruned (green create --keep)", version=version)
         elif vid in self.service.works and self.service.works[vid][0] in self.service.greens:
             source = volume.snapshot(self.service._new_id("snap")).snapshot_id
             witness = self.service.greens[self.service.works[vid][0]][0].snapshot_id
@@ -304,6 +309,7 @@ class LandingOps:
                 read,
                 [str(p) for p in paths] if paths else None,
                 self._private(green, source),
+                identity,
             )
         finally:
             for reader in readers.values():

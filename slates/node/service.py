@@ -27,6 +27,8 @@ Events are plain lists:
     ["client", client, principal]     a client id's first use binds it to its principal
     ["owner", vid, principal]         an agent made this volume
     ["landed", green, version]        a landing of that version completed
+    ["prune", green, [version, ...]]  those versions' content and edits are dropped
+    ["unsnap", snapshot_id]           a snapshot deleted
 Everything an event needs from outside (base facts, times) is inside it,
 so replay needs no base directory except to serve later reads.
 
@@ -48,6 +50,7 @@ from typing import Any
 
 import msgpack
 
+from slates.base.beneath import Anchored
 from slates.base.capturing import capture_into
 from slates.core import checkpoint
 from slates.core.host import Host
@@ -71,7 +74,7 @@ from slates.merge import changes as merge_changes
 from slates.merge import report as merge_report
 from slates.merge import tree as merge_tree
 from slates.merge.private import PrivateMatcher, PrivatePolicy
-from slates.merge.submission import GreenPolicy, Submission, prepare
+from slates.merge.submission import DEFAULT_KEEP, GreenPolicy, Submission, prepare
 from slates.node.args import int_arg as _int_arg
 from slates.node.args import path_arg as _path_arg
 from slates.node.args import str_arg as _str_arg
@@ -169,7 +172,8 @@ def _green_policy(args: dict[str, Any]) -> GreenPolicy:
     if not isinstance(rewrites, str):
         raise InvalidArgument("rewrites is refine or exact")
     private = PrivatePolicy(tuple(patterns), _bool_arg(args, "submit_ignored"))
-    return GreenPolicy.from_wire(GreenPolicy(private, rewrites).to_wire())  # checks it
+    keep = args.get("keep", DEFAULT_KEEP)
+    return GreenPolicy.from_wire(GreenPolicy(private, rewrites, keep).to_wire())  # checks it
 
 
 def _small_file(volume: Volume, path: str) -> bytes | None:
@@ -226,6 +230,7 @@ class ShardService:
         # Connections of mount bridges, per volume (not journaled: bridges reconnect).
         self.mounted: dict[str, int] = {}
         self.landed: dict[str, int] = {}  # green -> the newest version a landing completed
+        self.origins: dict[str, str] = {}  # volume id -> the snapshot it was cloned from
         self.owners: dict[str, str] = {}  # volume id -> the agent that made it (operator: absent)
         self.client_principals: dict[str, str] = {}  # client id -> its principal's name
         self.work_counts: dict[str, int] = {}  # green -> work volumes made (numbering ranges)
@@ -235,11 +240,11 @@ class ShardService:
         # they made and a snapshot of what they held then.
         self.held: dict[str, tuple[int, str]] = {}
         self._path_indexes: dict[str, dict[int, str]] = {}  # snapshot id -> path index
-        self.desk = LandingDesk(approver_key)
         self.landing = LandingOps(self)
         # Directories no base and no landing may reach: the runtime directory,
         # which holds the approver credential.
         self.protected = tuple(os.path.realpath(p) for p in protected)
+        self.desk = LandingDesk(approver_key, protected=self.protected)
         self.green_sources: dict[str, str | None] = {}  # the directory a green captured
         self._events: list[Event] = []
         # The records applied by the current request, for the driver's cache
@@ -460,8 +465,17 @@ class ShardService:
                     raise NotFound("no such version", green=green, version=since)
                 paths: set[str] = set()
                 for version in ledger[since + 1 :]:
+                    if not version.snapshot_id:
+                        raise InvalidArgument(
+                            "versions after that one were pruned: ask since a later one",
+                            version=version.number,
+                        )
                     paths |= merge_changes.changed_paths(version.increment)
                 return sorted(paths)
+            case "snapshot.delete":
+                return self._delete_snapshot(args)
+            case "gc":
+                return self._gc()
             case "snapshot":
                 vid, volume = self._volume(args)
                 snapshot = volume.snapshot(self._new_id("snap"))
@@ -604,7 +618,9 @@ class ShardService:
         vid = scratch["id"]
         try:
             volume = self.volumes[vid]
-            snapshot = capture_into(base_path, volume, snapshot_id=self._new_id("snap"))
+            snapshot = capture_into(
+                base_path, volume, snapshot_id=self._new_id("snap"), protected=self.protected
+            )
         finally:
             self._emit(["drop", vid])
         return self._clone(
@@ -672,6 +688,8 @@ class ShardService:
         version = _int_arg(args, "version", len(ledger) - 1)
         if version >= len(ledger):
             raise NotFound("no such version", green=green, version=version)
+        if not ledger[version].snapshot_id:
+            raise NotFound("that version was pruned (green create --keep)", version=version)
         serial = self.work_counts.get(green, 0) + 1
         start, limit = serial << WORK_INO_SHIFT, (serial + 1) << WORK_INO_SHIFT
         if limit > NO_INO_LIMIT:
@@ -1000,6 +1018,7 @@ class ShardService:
                 merge_changes.changes_to_wire(originals),
             ]
         )
+        self._prune(green)
         # The work volume moves onto the version it made, with its private paths,
         # so its next submission holds only what it changes from now on.  A
         # mounted one keeps every inode number the kernel holds.
@@ -1037,6 +1056,61 @@ class ShardService:
         self._emit(["based", vid, len(ledger) - 1])
         return {"ok": True, "version": len(ledger) - 1, "conflicts": []}
 
+    def _delete_snapshot(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Delete a snapshot: refused while a green's ledger or a landing plan needs it
+        (prune or land first), or, unless forced, while a volume cloned from it lives.
+        Its content goes once nothing else shares it."""
+        snapshot_id = _str_arg(args, "snapshot")
+        if snapshot_id not in self.snapshots:
+            raise NotFound("no such snapshot", snapshot=snapshot_id)
+        for green, ledger in self.greens.items():
+            if any(v.snapshot_id == snapshot_id for v in ledger):
+                raise InvalidArgument(
+                    "the snapshot is a version of a green volume (its pruning drops it)",
+                    snapshot=snapshot_id,
+                    green=green,
+                )
+        if snapshot_id in self.desk.sources():
+            raise InvalidArgument("a landing plan lands from the snapshot", snapshot=snapshot_id)
+        clones = sorted(v for v, origin in self.origins.items() if origin == snapshot_id)
+        if clones and not _bool_arg(args, "force"):
+            raise InvalidArgument(
+                f"{len(clones)} volumes were cloned from the snapshot (delete with --force: "
+                "they keep what they share)",
+                snapshot=snapshot_id,
+                clones=clones[:10],
+            )
+        self._emit(["unsnap", snapshot_id])
+        return {"deleted": snapshot_id}
+
+    def _gc(self) -> dict[str, Any]:
+        """Collect now: prune every green by its policy, then free what nothing uses."""
+        pruned = {green: self._prune(green) for green in list(self.greens)}
+        before = self.host.physical_bytes
+        self.garbage_bytes = max(self.garbage_bytes, 1)
+        self.collect_garbage(force=True)
+        return {
+            "pruned": {green: numbers for green, numbers in pruned.items() if numbers},
+            "freed_bytes": max(0, before - self.host.physical_bytes),
+            "host_physical_bytes": self.host.physical_bytes,
+        }
+
+    def _prune(self, green: str, keep: int | None = None) -> list[int]:
+        """Drop the content and edits of versions nothing needs any more: not v0 (the
+        landing witness), not the last `keep`, not one a live work volume starts from
+        or comes after (submissions map through them), not one a plan lands."""
+        ledger = self.greens[green]
+        keep = self.green_policies.get(green, GreenPolicy()).keep if keep is None else keep
+        bases = [base for g, base in self.works.values() if g == green]
+        planned = self.desk.sources()
+        limit = min([len(ledger) - keep, *bases])
+        pruned = [
+            v.number for v in ledger[1:limit] if v.snapshot_id and v.snapshot_id not in planned
+        ]
+        if pruned:
+            self._emit(["prune", green, pruned])
+        return pruned
+
     def _versions(self, args: dict[str, Any]) -> dict[str, Any]:
         green, ledger = self._green(args)
         limit = _int_arg(args, "limit", 100)
@@ -1050,24 +1124,18 @@ class ShardService:
                     "base": v.base,
                     "work": v.work,
                     "paths": sorted(merge_changes.changed_paths(v.increment)),
+                    "pruned": not v.snapshot_id,
                 }
                 for v in ledger[-limit:]
                 if limit
             ],
         }
 
-    def _check_unprotected(self, path: str, what: str) -> None:
-        """Refuse a directory that is, holds or lies inside a protected one."""
-        real = os.path.realpath(path)
-        for protected in self.protected:
-            if (
-                real == protected
-                or protected.startswith(real.rstrip("/") + "/")
-                or (real.startswith(protected + "/"))
-            ):
-                raise AccessDenied(f"the {what} would reach Slates' runtime directory", path=path)
-
-    # -- events ---------------------------------------------------------------
+    def _check_unprotected(self, path: str, what: str) -> tuple[int, int]:
+        """Refuse a directory that is, holds or lies inside a protected one, or is on
+        FUSE (compared by (dev, ino), never entering a mount); returns its identity."""
+        with Anchored(path, protected=self.protected, what=what) as anchor:
+            return anchor.identity
 
     def replay(self, events: Iterable[Event]) -> None:
         """Apply committed events (recovery); replies are not produced again.
@@ -1129,6 +1197,7 @@ class ShardService:
                 volume = Volume.clone(snapshot, self.host, Capacity(bounded, limit))
                 key = self._base_key_of(snapshot)
                 self._add_volume(vid, name, key, volume)
+                self.origins[vid] = snapshot_id
             case ["rec", str(vid), bytes(payload)] if not live:
                 if vid in self.failed:
                     return
@@ -1197,6 +1266,7 @@ class ShardService:
                 self._watch(vid, fresh)
             case ["drop", str(vid)]:
                 self.owners.pop(vid, None)
+                self.origins.pop(vid, None)
                 self.landed.pop(vid, None)
                 self.greens.pop(vid, None)
                 self.green_policies.pop(vid, None)
@@ -1219,6 +1289,16 @@ class ShardService:
                 self.client_principals[client] = name
             case ["owner", str(vid), str(name)]:
                 self.owners[vid] = name
+            case ["prune", str(green), list(numbers)]:
+                ledger = self.greens[green]
+                for number in numbers:
+                    gone = ledger[int(number)]
+                    self.snapshots.pop(gone.snapshot_id, None)
+                    ledger[gone.number] = Version(gone.number, "", gone.base, gone.work, (), ())
+                self.garbage_bytes += GARBAGE_BATCH_BYTES  # their chunks may be free now
+            case ["unsnap", str(snapshot_id)]:
+                self.snapshots.pop(snapshot_id, None)
+                self.garbage_bytes += GARBAGE_BATCH_BYTES
             case ["landed", str(green), int(version)]:
                 self.landed[green] = max(self.landed.get(green, 0), version)
             case ["ack", str(client), int(upto)]:
@@ -1325,6 +1405,7 @@ class ShardService:
             "green_policies": {g: p.to_wire() for g, p in self.green_policies.items()},
             "owners": self.owners,
             "landed": self.landed,
+            "origins": self.origins,
             "client_principals": self.client_principals,
             "work_counts": self.work_counts,
             "green_sources": self.green_sources,
@@ -1380,6 +1461,7 @@ class ShardService:
             self.work_counts = {str(g): int(n) for g, n in meta["work_counts"].items()}
             self.owners = {str(v): str(n) for v, n in meta["owners"].items()}
             self.landed = {str(g): int(n) for g, n in meta["landed"].items()}
+            self.origins = {str(v): str(o) for v, o in meta["origins"].items()}
             self.client_principals = {str(c): str(n) for c, n in meta["client_principals"].items()}
             self.held = {vid: (int(v), str(s)) for vid, (v, s) in meta["held"].items()}
             self.desk.restore(meta["landing"])

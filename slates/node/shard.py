@@ -23,6 +23,7 @@ import argparse
 import array
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -143,7 +144,7 @@ class Shard:
         self.service = ShardService(
             index,
             self.host,
-            LiveDirectory,
+            functools.partial(LiveDirectory, protected=protected),
             approver_key,
             protected=protected,
             allow_roots=allow_roots,

@@ -305,6 +305,34 @@ class AsyncClient:
         else:
             await self._on(volume, "volume.delete", volume=volume)
 
+    async def delete_snapshot(self, snapshot: str, *, force: bool = False) -> None:
+        """Delete a snapshot (refused while a plan or a green's ledger needs it, and,
+        unless `force`, while volumes cloned from it live)."""
+        args: dict[str, Any] = {"snapshot": snapshot}
+        if force:
+            args["force"] = True
+        await self.call(shard_of(snapshot), "snapshot.delete", **args)
+
+    async def gc(self) -> dict[str, Any]:
+        """Collect now on every serving shard: prune greens, free unused content."""
+        serving = {
+            info.index for info in self.runtime.read_state().shards if info.state != "failed"
+        }
+        total: dict[str, Any] = {"pruned": {}, "freed_bytes": 0, "host_physical_bytes": 0}
+        for index in sorted(serving):
+            result = await self.call(index, "gc")
+            total["pruned"].update(result["pruned"])
+            total["freed_bytes"] += result["freed_bytes"]
+            total["host_physical_bytes"] += result["host_physical_bytes"]
+        return total
+
+    async def mounts(self) -> list[dict[str, Any]]:
+        """This host's mounts (directory, volume, bridge pid), from the anchor's state."""
+        return [
+            {"directory": m.directory, "volume": m.volume, "pid": m.pid, "health": m.health}
+            for m in self.runtime.read_state().mounts
+        ]
+
     async def snapshot(self, volume: str) -> str:
         await self._barrier(volume)
         result = await self._on(volume, "snapshot", volume=volume)
@@ -334,6 +362,7 @@ class AsyncClient:
         private: Sequence[str] = (),
         submit_ignored: bool = False,
         rewrites: str = "refine",
+        keep: int | None = None,
     ) -> str:
         """A green volume (version 0): empty, or a captured copy of `base`; returns its id.
 
@@ -350,6 +379,8 @@ class AsyncClient:
             args["submit_ignored"] = True
         if rewrites != "refine":
             args["rewrites"] = rewrites
+        if keep is not None:
+            args["keep"] = keep
         if base is not None:
             args["base"] = str(Path(base).resolve())
         for key, value in (("bounded", bounded), ("dynamic", dynamic)):
@@ -674,6 +705,9 @@ class Client:
     show_volume = _Blocking(AsyncClient.show_volume)
     counters = _Blocking(AsyncClient.counters)
     delete_volume = _Blocking(AsyncClient.delete_volume)
+    delete_snapshot = _Blocking(AsyncClient.delete_snapshot)
+    gc = _Blocking(AsyncClient.gc)
+    mounts = _Blocking(AsyncClient.mounts)
     snapshot = _Blocking(AsyncClient.snapshot)
     clone = _Blocking(AsyncClient.clone)
     seal = _Blocking(AsyncClient.seal)

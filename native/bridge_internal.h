@@ -1,0 +1,180 @@
+/*
+ * What the mount bridge's source files share (not part of the extension's
+ * API, which is bridge.h).  The bridge is split along its seams:
+ *
+ *   bridge_wire.c     msgpack encoding of fs.* requests and decoding of the
+ *                     shard's replies (slates/fuse/PROTOCOL.md), the errno
+ *                     table; pure: no I/O, only the codec buffers below.
+ *   bridge_link.c     the shard connection: the ring pair, one request in
+ *                     flight, the reply wait (spin, then park), reconnect
+ *                     and resend; the request counters.
+ *   bridge_cache.c    what the bridge answers without asking the shard: the
+ *                     xattr names known to be absent, per inode.
+ *   bridge_ops.c      the libfuse3 low-level callbacks, INIT's wishes
+ *                     included: one kernel request in, at most one fs.*
+ *                     round trip (a few for large reads and writes), one
+ *                     fuse_reply_* out.
+ *   bridge_session.c  the FUSE session: mount, the loop, signals,
+ *                     invalidation notices, unmount.
+ *
+ * Threads: the FUSE loop runs every callback, and with it everything in
+ * bridge_wire.c and bridge_link.c, on one thread (the state below has no
+ * locks for that reason).  The Python watcher thread calls only
+ * bridge_notify_inval_*, which touch the session handle (libfuse's notify
+ * calls are thread-safe) and bridge_cache.c (which locks).
+ */
+#ifndef SLATES_BRIDGE_INTERNAL_H
+#define SLATES_BRIDGE_INTERNAL_H
+
+#define _GNU_SOURCE
+#define FUSE_USE_VERSION 312
+
+#include "bridge.h"
+#include "ring.h"
+
+#include <fuse_lowlevel.h>
+#include <msgpack.h>
+#include <signal.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#define BRIDGE_INTERNAL __attribute__((visibility("hidden")))
+
+#define NS_PER_SEC 1000000000ull
+#define SHUTDOWN_GRACE_NS (10ull * NS_PER_SEC)
+#define IO_HEADROOM 4096u /* request/reply envelope around data bytes */
+#define BRIDGE_MAX_BACKGROUND 64u /* kernel requests in flight without a waiter */
+
+/* -- state (one bridge per process; defined in bridge_link.c) ---------------- */
+
+struct bridge_state {
+    char volume[256];
+    uint64_t spin_ns;
+    /* the shard connection (bridge_link.c) */
+    int attached;
+    ring_t req, rep;
+    void *req_map, *rep_map;
+    size_t req_len, rep_len;
+    int req_memfd, req_evfd, rep_memfd, rep_evfd, sock;
+    uint8_t *reply;
+    uint32_t reply_cap;
+    uint32_t reply_len; /* the last reply received, 0 when the last call got none */
+    uint32_t io_chunk;  /* data bytes per fs.read/fs.write message */
+    uint64_t down_since_ns; /* 0 while connected or never lost */
+    /* encoding and decoding (bridge_wire.c) */
+    uint64_t next_seq;
+    uint64_t cur_seq;
+    msgpack_sbuffer sbuf;
+    msgpack_packer pk;
+    int codec_ready;
+    msgpack_unpacked unp;
+    int unp_live;
+    const char *cur_op;
+    /* the session (bridge_session.c) */
+    struct fuse_session *se;
+    int writeback;
+    double cache_timeout; /* entry and attribute timeouts (bridge_set_cache_timeout) */
+    volatile sig_atomic_t stop;
+    uint64_t stop_ns;
+};
+
+BRIDGE_INTERNAL extern struct bridge_state g_bridge;
+
+static inline uint64_t now_ns(int clock)
+{
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (uint64_t)ts.tv_sec * NS_PER_SEC + (uint64_t)ts.tv_nsec;
+}
+
+static inline int64_t ts_ns(const struct timespec *ts)
+{
+    return (int64_t)ts->tv_sec * (int64_t)NS_PER_SEC + ts->tv_nsec;
+}
+
+/* -- bridge_wire.c ------------------------------------------------------------ */
+
+BRIDGE_INTERNAL int errno_for(const char *code, size_t len);
+BRIDGE_INTERNAL void codec_init(void);
+/* Start {"seq", "ack", "op", "args": ...} with the next sequence number, up
+ * to the args' value (bridge_request appends caller-encoded args). */
+BRIDGE_INTERNAL void envelope_begin(const char *op);
+
+/* Per-op request encoders: each leaves one whole request in g_bridge.sbuf. */
+BRIDGE_INTERNAL void enc_lookup(uint64_t parent, const char *name);
+BRIDGE_INTERNAL void enc_forget(const struct fuse_forget_data *items, size_t n);
+BRIDGE_INTERNAL void enc_ino(const char *op, uint64_t ino);
+BRIDGE_INTERNAL void enc_setattr(uint64_t ino, const struct stat *attr, int to_set);
+BRIDGE_INTERNAL void enc_mknod(uint64_t parent, const char *name, uint32_t mode, uint64_t rdev,
+                               uint32_t uid, uint32_t gid);
+BRIDGE_INTERNAL void enc_mkdir(uint64_t parent, const char *name, uint32_t mode, uint32_t uid,
+                               uint32_t gid);
+BRIDGE_INTERNAL void enc_entry_name(const char *op, uint64_t parent, const char *name);
+BRIDGE_INTERNAL void enc_symlink(uint64_t parent, const char *name, const char *target,
+                                 uint32_t uid, uint32_t gid);
+BRIDGE_INTERNAL void enc_rename(uint64_t parent, const char *name, uint64_t new_parent,
+                                const char *new_name, unsigned flags);
+BRIDGE_INTERNAL void enc_link(uint64_t ino, uint64_t new_parent, const char *new_name);
+BRIDGE_INTERNAL void enc_create(uint64_t parent, const char *name, uint32_t mode, uint32_t uid,
+                                uint32_t gid, int exclusive);
+BRIDGE_INTERNAL void enc_read(uint64_t ino, uint64_t offset, uint64_t size);
+BRIDGE_INTERNAL void enc_write(uint64_t ino, uint64_t offset, const void *data, size_t len);
+BRIDGE_INTERNAL void enc_statfs(void);
+BRIDGE_INTERNAL void enc_readdir(uint64_t ino, uint64_t offset, int plus, uint64_t limit);
+BRIDGE_INTERNAL void enc_setxattr(uint64_t ino, const char *name, const void *value, size_t size,
+                                  int flags);
+BRIDGE_INTERNAL void enc_ino_name(const char *op, uint64_t ino, const char *name);
+BRIDGE_INTERNAL void enc_fallocate(uint64_t ino, int mode, uint64_t offset, uint64_t length);
+BRIDGE_INTERNAL void enc_lseek(uint64_t ino, uint64_t offset, int whence);
+BRIDGE_INTERNAL void enc_copy_file_range(uint64_t ino_in, uint64_t off_in, uint64_t ino_out,
+                                         uint64_t off_out, uint64_t length);
+BRIDGE_INTERNAL void enc_access(uint64_t ino, int mask);
+BRIDGE_INTERNAL void enc_destroy(void);
+
+/* Reading decoded replies. */
+BRIDGE_INTERNAL const msgpack_object *mp_get(const msgpack_object *map, const char *key);
+BRIDGE_INTERNAL int mp_int(const msgpack_object *o, int64_t *out);
+BRIDGE_INTERNAL int mp_uint(const msgpack_object *o, uint64_t *out);
+BRIDGE_INTERNAL int mp_bytes(const msgpack_object *o, const char **p, uint32_t *n);
+/* An ATTR map to a struct stat (0 or EIO); *node gets the kernel node id. */
+BRIDGE_INTERNAL int attr_from_node(const msgpack_object *o, struct stat *st, fuse_ino_t *node);
+BRIDGE_INTERNAL int attr_from(const msgpack_object *o, struct stat *st);
+/* 1 when an ATTR says its inode has no extended attributes at all (the
+ * optional "xattrs" count is 0); 0 when it has some or does not say. */
+BRIDGE_INTERNAL int attr_has_no_xattrs(const msgpack_object *o);
+BRIDGE_INTERNAL int result_count(const msgpack_object *res, const char *key, int64_t *out);
+/* Decode a reply into g_bridge.unp: 0 with *result (ok), a positive errno
+ * (error reply), or -EBADMSG; *seq gets its sequence number. */
+BRIDGE_INTERNAL int decode_reply(const uint8_t *buf, size_t len, uint64_t *seq,
+                                 const msgpack_object **result, int log);
+
+/* -- bridge_link.c ------------------------------------------------------------ */
+
+/* Count one event in a counter slot (bridge.h's BRIDGE_STAT_* or an opcode). */
+BRIDGE_INTERNAL void bridge_count(int slot);
+/* Send the request in g_bridge.sbuf and wait for its reply, reconnecting and
+ * resending the same bytes when the shard goes away: 0 with *result, or a
+ * positive errno.  *result points into g_bridge.unp until the next call. */
+BRIDGE_INTERNAL int link_call(const msgpack_object **result);
+
+/* -- bridge_cache.c ----------------------------------------------------------- */
+
+/* The key of (ino, name) when `name` is one of the probed xattr names, else 0. */
+BRIDGE_INTERNAL uint64_t absent_key(uint64_t ino, const char *name);
+BRIDGE_INTERNAL int absent_has(uint64_t key);
+BRIDGE_INTERNAL void absent_remove(uint64_t key);
+/* Invalidation epoch: read it before asking the shard; absent_add_since and
+ * absent_mark_inode then record nothing if an invalidation ran meanwhile. */
+BRIDGE_INTERNAL uint64_t absent_epoch(void);
+BRIDGE_INTERNAL void absent_add_since(uint64_t key, uint64_t epoch);
+/* Every probed name is absent on `ino` (the shard said it has no xattrs). */
+BRIDGE_INTERNAL void absent_mark_inode(uint64_t ino, uint64_t epoch);
+/* Forget every probed name's absence for one inode (and start a new epoch). */
+BRIDGE_INTERNAL void absent_forget_inode(uint64_t ino);
+
+/* -- bridge_ops.c ------------------------------------------------------------- */
+
+BRIDGE_INTERNAL extern const struct fuse_lowlevel_ops bridge_ops;
+
+#endif

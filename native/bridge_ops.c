@@ -1,0 +1,746 @@
+/*
+ * The libfuse3 low-level callbacks: the kernel's requests, one at a time.
+ *
+ * Theory of operation: each callback either answers at once (OPEN, OPENDIR
+ * and FLUSH with ENOSYS, so the kernel stops sending them and keeps its
+ * caches; RELEASE/RELEASEDIR with 0; a probed xattr known to be absent,
+ * bridge_cache.c) or encodes one fs.* request (bridge_wire.c), makes one
+ * round trip (link_call, bridge_link.c; reads and writes larger than the
+ * ring's message limit make several), and turns the reply into exactly one
+ * fuse_reply_*.  Semantics live in the shard: the bridge adds only what the
+ * kernel interface needs (negative entries for NotFound, entry and
+ * attribute timeouts, readdirplus buffer packing, xattr size probes).
+ *
+ * Lookup references: every ENTRY the kernel receives is one reference the
+ * shard counted; a readdirplus entry that does not fit the kernel's buffer
+ * is given back at once with a forget, so the counts always agree.
+ */
+#include "bridge_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/statvfs.h>
+
+/* Answer an ENTRY reply.  `fresh`: the request made this inode (it has no
+ * xattrs yet); `epoch`: absent_epoch() from before the request was sent. */
+static void reply_entry_from(fuse_req_t req, const msgpack_object *res, int create,
+                             struct fuse_file_info *fi, int fresh, uint64_t epoch)
+{
+    struct fuse_entry_param e;
+    memset(&e, 0, sizeof e);
+    if (attr_from_node(res, &e.attr, &e.ino) != 0) {
+        fuse_reply_err(req, EIO);
+        return;
+    }
+    if (fresh || attr_has_no_xattrs(res))
+        absent_mark_inode(e.ino, epoch);
+    e.attr_timeout = g_bridge.cache_timeout;
+    e.entry_timeout = g_bridge.cache_timeout;
+    if (create) {
+        fi->fh = 0;
+        fi->keep_cache = 1;
+        fuse_reply_create(req, &e, fi);
+    } else {
+        fuse_reply_entry(req, &e);
+    }
+}
+
+/* Send the encoded request and answer with the ENTRY it returns; `fresh`
+ * as for reply_entry_from. */
+static void answer_entry(fuse_req_t req, int fresh)
+{
+    const msgpack_object *res;
+    uint64_t epoch = absent_epoch();
+    int rc = link_call(&res);
+    if (rc != 0)
+        fuse_reply_err(req, rc);
+    else
+        reply_entry_from(req, res, 0, NULL, fresh, epoch);
+}
+
+static void answer_empty(fuse_req_t req)
+{
+    const msgpack_object *res;
+    fuse_reply_err(req, link_call(&res));
+}
+
+/* What the bridge asks of the kernel (DESIGN.md section 2, fuse-levers). */
+static void op_init(void *userdata, struct fuse_conn_info *conn)
+{
+    (void)userdata;
+    /* no_open/no_opendir keep the kernel's page and directory caches;
+     * readdirplus brings every entry's attributes with the listing; async
+     * reads let readahead run beside the reader; cached symlinks make a
+     * second readlink free (a symlink's target never changes, and the
+     * shard's invalidation of an inode drops its cached pages too);
+     * parallel dirops let lookups in one directory queue without the
+     * directory's lock (this loop still answers them one at a time). */
+    unsigned want = FUSE_CAP_WRITEBACK_CACHE | FUSE_CAP_NO_OPEN_SUPPORT |
+                    FUSE_CAP_NO_OPENDIR_SUPPORT | FUSE_CAP_READDIRPLUS |
+                    FUSE_CAP_AUTO_INVAL_DATA | FUSE_CAP_ASYNC_READ |
+                    FUSE_CAP_CACHE_SYMLINKS | FUSE_CAP_PARALLEL_DIROPS;
+    if (!g_bridge.writeback)
+        want &= ~(unsigned)FUSE_CAP_WRITEBACK_CACHE;
+    conn->want |= want & conn->capable;
+    if (!g_bridge.writeback)
+        conn->want &= ~(unsigned)FUSE_CAP_WRITEBACK_CACHE;
+    /* Always readdirplus, never "auto": entries come with their attributes
+     * and inode numbers, which plain readdir cannot promise for unbound
+     * base names, and a listing followed by stats (find, git status's
+     * untracked scan, grep -r) then needs no LOOKUP per entry. */
+    conn->want &= ~(unsigned)FUSE_CAP_READDIRPLUS_AUTO;
+    conn->want &= ~(unsigned)(FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE);
+    /* OPEN is never sent (no_open), so it cannot truncate: without this the
+     * kernel would trust OPEN with O_TRUNC and the truncation would be lost.
+     * Off, the kernel sends O_TRUNC as a SETATTR of size 0. */
+    conn->want &= ~(unsigned)FUSE_CAP_ATOMIC_O_TRUNC;
+    /* The shard does not clear set-id bits on write or chown: the kernel
+     * must (it then probes security.capability, bridge_cache.c). */
+    conn->want &= ~(unsigned)FUSE_CAP_HANDLE_KILLPRIV;
+    conn->max_write = BRIDGE_MAX_IO;
+    conn->max_read = BRIDGE_MAX_IO;
+    conn->max_readahead = BRIDGE_MAX_IO;
+    /* Readahead and writeback requests the kernel may queue before it
+     * throttles their writers (libfuse's default is 12). */
+    conn->max_background = BRIDGE_MAX_BACKGROUND;
+    conn->congestion_threshold = BRIDGE_MAX_BACKGROUND * 3 / 4;
+    conn->time_gran = 1;
+}
+
+/* The kernel dropped every reference (unmount): tell the shard at once. */
+static void op_destroy(void *userdata)
+{
+    (void)userdata;
+    const msgpack_object *res;
+    if (!g_bridge.attached)
+        return; /* a fresh shard holds no references of this session's */
+    enc_destroy();
+    (void)link_call(&res);
+}
+
+static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    const msgpack_object *res;
+    uint64_t epoch = absent_epoch();
+    enc_lookup(parent, name);
+    int rc = link_call(&res);
+    if (rc == ENOENT) {
+        /* A negative entry the kernel keeps as long as a positive one. */
+        struct fuse_entry_param e;
+        memset(&e, 0, sizeof e);
+        e.ino = 0;
+        e.entry_timeout = g_bridge.cache_timeout;
+        fuse_reply_entry(req, &e);
+        return;
+    }
+    if (rc != 0) {
+        fuse_reply_err(req, rc);
+        return;
+    }
+    reply_entry_from(req, res, 0, NULL, 0, epoch);
+}
+
+static void send_forgets(const struct fuse_forget_data *items, size_t n)
+{
+    const msgpack_object *res;
+    for (size_t i = 0; i < n; i++)
+        absent_forget_inode(items[i].ino);
+    /* Keep each message well inside the ring: ~20 bytes an item. */
+    while (n > 0) {
+        size_t batch = n > 4096 ? 4096 : n;
+        enc_forget(items, batch);
+        (void)link_call(&res);
+        items += batch;
+        n -= batch;
+    }
+}
+
+static void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
+{
+    struct fuse_forget_data item = {.ino = ino, .nlookup = nlookup};
+    send_forgets(&item, 1);
+    fuse_reply_none(req);
+}
+
+static void op_forget_multi(fuse_req_t req, size_t count_, struct fuse_forget_data *forgets)
+{
+    send_forgets(forgets, count_);
+    fuse_reply_none(req);
+}
+
+/* Send the encoded request and answer the kernel with the ATTR it returns. */
+static void reply_attr(fuse_req_t req)
+{
+    const msgpack_object *res;
+    struct stat st;
+    fuse_ino_t node = 0;
+    uint64_t epoch = absent_epoch();
+    int rc = link_call(&res);
+    if (rc == 0)
+        rc = attr_from_node(res, &st, &node);
+    if (rc == 0 && attr_has_no_xattrs(res))
+        absent_mark_inode(node, epoch);
+    if (rc != 0)
+        fuse_reply_err(req, rc);
+    else
+        fuse_reply_attr(req, &st, g_bridge.cache_timeout);
+}
+
+static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)fi;
+    enc_ino("fs.getattr", ino);
+    reply_attr(req);
+}
+
+static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set,
+                       struct fuse_file_info *fi)
+{
+    (void)fi;
+    enc_setattr(ino, attr, to_set);
+    reply_attr(req);
+}
+
+static void op_readlink(fuse_req_t req, fuse_ino_t ino)
+{
+    const msgpack_object *res;
+    const char *p = NULL;
+    uint32_t n = 0;
+    enc_ino("fs.readlink", ino);
+    int rc = link_call(&res);
+    if (rc == 0 && !mp_bytes(res, &p, &n))
+        rc = EIO;
+    if (rc != 0) {
+        fuse_reply_err(req, rc);
+        return;
+    }
+    char *target = malloc((size_t)n + 1);
+    if (target == NULL) {
+        fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    memcpy(target, p, n);
+    target[n] = '\0';
+    fuse_reply_readlink(req, target);
+    free(target);
+}
+
+static void op_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode,
+                     dev_t rdev)
+{
+    const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    enc_mknod(parent, name, mode, rdev, ctx->uid, ctx->gid);
+    answer_entry(req, 1);
+}
+
+static void op_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode)
+{
+    const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    enc_mkdir(parent, name, mode, ctx->uid, ctx->gid);
+    answer_entry(req, 1);
+}
+
+static void op_unlink(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    enc_entry_name("fs.unlink", parent, name);
+    answer_empty(req);
+}
+
+static void op_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    enc_entry_name("fs.rmdir", parent, name);
+    answer_empty(req);
+}
+
+static void op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, const char *name)
+{
+    const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    enc_symlink(parent, name, link, ctx->uid, ctx->gid);
+    answer_entry(req, 1);
+}
+
+static void op_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino_t newparent,
+                      const char *newname, unsigned int flags)
+{
+    enc_rename(parent, name, newparent, newname, flags);
+    answer_empty(req);
+}
+
+static void op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char *newname)
+{
+    enc_link(ino, newparent, newname); /* an existing inode: not fresh */
+    answer_entry(req, 0);
+}
+
+static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode,
+                      struct fuse_file_info *fi)
+{
+    const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    const msgpack_object *res;
+    int exclusive = (fi->flags & O_EXCL) != 0;
+    uint64_t epoch = absent_epoch();
+    enc_create(parent, name, mode, ctx->uid, ctx->gid, exclusive);
+    int rc = link_call(&res);
+    /* Without O_EXCL the shard may answer with a file that already exists. */
+    if (rc != 0)
+        fuse_reply_err(req, rc);
+    else
+        reply_entry_from(req, res, 1, fi, exclusive, epoch);
+}
+
+static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)ino;
+    (void)fi;
+    fuse_reply_err(req, ENOSYS); /* no_open: the kernel stops asking, keeps its caches */
+}
+
+static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)ino;
+    (void)fi;
+    fuse_reply_err(req, 0);
+}
+
+static void op_flush(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)ino;
+    (void)fi;
+    fuse_reply_err(req, ENOSYS); /* dirty pages are written back before FLUSH anyway */
+}
+
+/* One fs.read of at most io_chunk bytes.  Returns bytes copied into dst (or,
+ * when dst is NULL, points *direct at them in the reply buffer), or -errno. */
+static long read_chunk(fuse_ino_t ino, uint64_t off, size_t size, char *dst, const char **direct)
+{
+    const msgpack_object *res;
+    const char *p = NULL;
+    uint32_t n = 0;
+    enc_read(ino, off, size);
+    int rc = link_call(&res);
+    if (rc != 0)
+        return -rc;
+    if (!mp_bytes(res, &p, &n))
+        return -EIO;
+    if (n > size)
+        n = (uint32_t)size;
+    if (dst != NULL)
+        memcpy(dst, p, n);
+    else
+        *direct = p;
+    return (long)n;
+}
+
+static uint32_t io_chunk(void) { return g_bridge.io_chunk ? g_bridge.io_chunk : 256u << 10; }
+
+static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                    struct fuse_file_info *fi)
+{
+    (void)fi;
+    uint32_t chunk = io_chunk();
+    if (size <= chunk) {
+        const char *p = NULL;
+        long n = read_chunk(ino, (uint64_t)off, size, NULL, &p);
+        if (n < 0)
+            fuse_reply_err(req, (int)-n);
+        else
+            fuse_reply_buf(req, p, (size_t)n);
+        return;
+    }
+    char *buf = malloc(size);
+    if (buf == NULL) {
+        fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    size_t done = 0;
+    while (done < size) {
+        size_t want = size - done > chunk ? chunk : size - done;
+        long n = read_chunk(ino, (uint64_t)off + done, want, buf + done, NULL);
+        if (n < 0) {
+            if (done == 0) {
+                free(buf);
+                fuse_reply_err(req, (int)-n);
+                return;
+            }
+            break;
+        }
+        done += (size_t)n;
+        if ((size_t)n < want)
+            break; /* end of file */
+    }
+    fuse_reply_buf(req, buf, done);
+    free(buf);
+}
+
+static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t off,
+                     struct fuse_file_info *fi)
+{
+    (void)fi;
+    uint32_t chunk = io_chunk();
+    size_t done = 0;
+    int err = 0;
+    do {
+        const msgpack_object *res;
+        int64_t written;
+        size_t n = size - done > chunk ? chunk : size - done;
+        enc_write(ino, (uint64_t)off + done, buf + done, n);
+        err = link_call(&res);
+        if (err == 0 && (!result_count(res, "written", &written) || written < 0 ||
+                         (uint64_t)written > n))
+            err = EIO;
+        if (err != 0)
+            break;
+        done += (size_t)written;
+        if ((size_t)written < n)
+            break;
+    } while (done < size);
+    if (err != 0 && done == 0)
+        fuse_reply_err(req, err);
+    else
+        fuse_reply_write(req, done);
+}
+
+static void op_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_file_info *fi)
+{
+    (void)datasync;
+    (void)fi;
+    enc_ino("fs.fsync", ino);
+    answer_empty(req);
+}
+
+static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)ino;
+    (void)fi;
+    fuse_reply_err(req, ENOSYS); /* no_opendir: the kernel caches directory contents */
+}
+
+static void do_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, int plus)
+{
+    const msgpack_object *res;
+    uint64_t epoch = absent_epoch();
+    enc_readdir(ino, (uint64_t)off, plus, size);
+    int rc = link_call(&res);
+    if (rc == 0 && (res == NULL || res->type != MSGPACK_OBJECT_ARRAY))
+        rc = EIO;
+    if (rc != 0) {
+        fuse_reply_err(req, rc);
+        return;
+    }
+    uint32_t count_ = res->via.array.size;
+    char *buf = malloc(size ? size : 1);
+    struct fuse_forget_data *unsent = calloc(count_ ? count_ : 1, sizeof *unsent);
+    char *name = malloc(NAME_MAX * 4 + 1);
+    if (buf == NULL || unsent == NULL || name == NULL) {
+        free(buf);
+        free(unsent);
+        free(name);
+        fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    size_t used = 0, nunsent = 0;
+    int full = 0;
+    for (uint32_t i = 0; i < count_; i++) {
+        const msgpack_object *item = &res->via.array.ptr[i];
+        const char *p = NULL;
+        uint32_t n = 0;
+        int64_t kind, ino_, next;
+        if (item->type != MSGPACK_OBJECT_ARRAY || item->via.array.size < 4 ||
+            !mp_bytes(&item->via.array.ptr[0], &p, &n) || n > NAME_MAX * 4 ||
+            !mp_int(&item->via.array.ptr[1], &kind) || !mp_int(&item->via.array.ptr[2], &ino_) ||
+            !mp_int(&item->via.array.ptr[3], &next)) {
+            rc = EIO;
+            break;
+        }
+        memcpy(name, p, n);
+        name[n] = '\0';
+        const msgpack_object *attr = item->via.array.size > 4 ? &item->via.array.ptr[4] : NULL;
+        int has_attr = attr != NULL && attr->type == MSGPACK_OBJECT_MAP;
+        size_t need;
+        if (plus) {
+            struct fuse_entry_param e;
+            memset(&e, 0, sizeof e);
+            if (has_attr && attr_from_node(attr, &e.attr, &e.ino) == 0) {
+                e.attr_timeout = g_bridge.cache_timeout;
+                e.entry_timeout = g_bridge.cache_timeout;
+                if (attr_has_no_xattrs(attr))
+                    absent_mark_inode(e.ino, epoch);
+            } else {
+                e.attr.st_ino = (ino_t)ino_;
+                e.attr.st_mode = (mode_t)kind;
+            }
+            need = full ? size + 1
+                        : fuse_add_direntry_plus(req, buf + used, size - used, name, &e, next);
+            if (need > size - used) {
+                /* The shard counted a lookup the kernel will never see. */
+                full = 1;
+                if (has_attr && e.ino != 0) {
+                    unsent[nunsent].ino = e.ino;
+                    unsent[nunsent].nlookup = 1;
+                    nunsent++;
+                }
+                continue;
+            }
+        } else {
+            struct stat st;
+            memset(&st, 0, sizeof st);
+            st.st_ino = (ino_t)ino_;
+            st.st_mode = (mode_t)kind;
+            need = fuse_add_direntry(req, buf + used, size - used, name, &st, next);
+            if (need > size - used)
+                break;
+        }
+        used += need;
+    }
+    if (rc != 0 && used == 0)
+        fuse_reply_err(req, rc);
+    else
+        fuse_reply_buf(req, buf, used);
+    if (nunsent > 0)
+        send_forgets(unsent, nunsent);
+    free(buf);
+    free(unsent);
+    free(name);
+}
+
+static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                       struct fuse_file_info *fi)
+{
+    (void)fi;
+    do_readdir(req, ino, size, off, 0);
+}
+
+static void op_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                           struct fuse_file_info *fi)
+{
+    (void)fi;
+    do_readdir(req, ino, size, off, 1);
+}
+
+static void op_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)ino;
+    (void)fi;
+    fuse_reply_err(req, 0);
+}
+
+static void op_fsyncdir(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_file_info *fi)
+{
+    op_fsync(req, ino, datasync, fi);
+}
+
+static void op_statfs(fuse_req_t req, fuse_ino_t ino)
+{
+    (void)ino;
+    const msgpack_object *res;
+    enc_statfs();
+    int rc = link_call(&res);
+    if (rc != 0) {
+        fuse_reply_err(req, rc);
+        return;
+    }
+    struct statvfs sv;
+    memset(&sv, 0, sizeof sv);
+    uint64_t v;
+    sv.f_bsize = mp_uint(mp_get(res, "bsize"), &v) ? v : 4096;
+    sv.f_frsize = mp_uint(mp_get(res, "frsize"), &v) ? v : sv.f_bsize;
+    sv.f_blocks = mp_uint(mp_get(res, "blocks"), &v) ? v : 0;
+    sv.f_bfree = mp_uint(mp_get(res, "bfree"), &v) ? v : 0;
+    sv.f_bavail = mp_uint(mp_get(res, "bavail"), &v) ? v : sv.f_bfree;
+    sv.f_files = mp_uint(mp_get(res, "files"), &v) ? v : 0;
+    sv.f_ffree = mp_uint(mp_get(res, "ffree"), &v) ? v : 0;
+    sv.f_favail = sv.f_ffree;
+    sv.f_namemax = mp_uint(mp_get(res, "namemax"), &v) ? v : 255;
+    fuse_reply_statfs(req, &sv);
+}
+
+static void op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const char *value,
+                        size_t size, int flags)
+{
+    absent_remove(absent_key(ino, name));
+    enc_setxattr(ino, name, value, size, flags);
+    answer_empty(req);
+}
+
+static void op_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t size)
+{
+    const msgpack_object *res;
+    const char *p = NULL;
+    uint32_t n = 0;
+    uint64_t key = absent_key(ino, name);
+    if (key != 0 && absent_has(key)) {
+        fuse_reply_err(req, ENODATA);
+        return;
+    }
+    uint64_t epoch = absent_epoch();
+    enc_ino_name("fs.getxattr", ino, name);
+    int rc = link_call(&res);
+    if (rc == 0 && !mp_bytes(res, &p, &n))
+        rc = EIO;
+    if (key != 0 && rc == ENODATA)
+        absent_add_since(key, epoch);
+    if (rc != 0)
+        fuse_reply_err(req, rc);
+    else if (size == 0)
+        fuse_reply_xattr(req, n);
+    else if (n > size)
+        fuse_reply_err(req, ERANGE);
+    else
+        fuse_reply_buf(req, p, n);
+}
+
+static void op_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size)
+{
+    const msgpack_object *res;
+    enc_ino("fs.listxattr", ino);
+    int rc = link_call(&res);
+    if (rc == 0 && (res == NULL || res->type != MSGPACK_OBJECT_ARRAY))
+        rc = EIO;
+    if (rc != 0) {
+        fuse_reply_err(req, rc);
+        return;
+    }
+    size_t total = 0;
+    for (uint32_t i = 0; i < res->via.array.size; i++) {
+        const char *p = NULL;
+        uint32_t n = 0;
+        if (!mp_bytes(&res->via.array.ptr[i], &p, &n)) {
+            fuse_reply_err(req, EIO);
+            return;
+        }
+        total += (size_t)n + 1;
+    }
+    if (size == 0) {
+        fuse_reply_xattr(req, total);
+        return;
+    }
+    if (total > size) {
+        fuse_reply_err(req, ERANGE);
+        return;
+    }
+    char *buf = malloc(total ? total : 1);
+    if (buf == NULL) {
+        fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    size_t at = 0;
+    for (uint32_t i = 0; i < res->via.array.size; i++) {
+        const char *p = NULL;
+        uint32_t n = 0;
+        mp_bytes(&res->via.array.ptr[i], &p, &n);
+        memcpy(buf + at, p, n);
+        buf[at + n] = '\0';
+        at += (size_t)n + 1;
+    }
+    fuse_reply_buf(req, buf, total);
+    free(buf);
+}
+
+static void op_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name)
+{
+    absent_remove(absent_key(ino, name));
+    enc_ino_name("fs.removexattr", ino, name);
+    answer_empty(req);
+}
+
+static void op_access(fuse_req_t req, fuse_ino_t ino, int mask)
+{
+    enc_access(ino, mask);
+    answer_empty(req);
+}
+
+static void op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset, off_t length,
+                         struct fuse_file_info *fi)
+{
+    (void)fi;
+    enc_fallocate(ino, mode, (uint64_t)offset, (uint64_t)length);
+    answer_empty(req);
+}
+
+static void op_lseek(fuse_req_t req, fuse_ino_t ino, off_t off, int whence,
+                     struct fuse_file_info *fi)
+{
+    (void)fi;
+    if (g_bridge.writeback) {
+        /* With the writeback cache the kernel may hold data the shard has
+         * not seen yet: a hole the shard reports could hide it (cp would
+         * skip it).  ENOSYS makes the kernel answer from its own size,
+         * treating the whole file as data, which is always safe. */
+        fuse_reply_err(req, ENOSYS);
+        return;
+    }
+    const msgpack_object *res;
+    int64_t at;
+    enc_lseek(ino, (uint64_t)off, whence);
+    int rc = link_call(&res);
+    if (rc == 0 && (!result_count(res, "offset", &at) || at < 0))
+        rc = EIO;
+    if (rc != 0)
+        fuse_reply_err(req, rc);
+    else
+        fuse_reply_lseek(req, (off_t)at);
+}
+
+static void op_copy_file_range(fuse_req_t req, fuse_ino_t ino_in, off_t off_in,
+                               struct fuse_file_info *fi_in, fuse_ino_t ino_out, off_t off_out,
+                               struct fuse_file_info *fi_out, size_t len, int flags)
+{
+    (void)fi_in;
+    (void)fi_out;
+    if (flags != 0) {
+        fuse_reply_err(req, EINVAL);
+        return;
+    }
+    const msgpack_object *res;
+    int64_t copied;
+    enc_copy_file_range(ino_in, (uint64_t)off_in, ino_out, (uint64_t)off_out, len);
+    int rc = link_call(&res);
+    if (rc == 0 && (!result_count(res, "copied", &copied) || copied < 0))
+        rc = EIO;
+    if (rc != 0)
+        fuse_reply_err(req, rc);
+    else
+        fuse_reply_write(req, (size_t)copied);
+}
+
+const struct fuse_lowlevel_ops bridge_ops = {
+    .init = op_init,
+    .destroy = op_destroy,
+    .lookup = op_lookup,
+    .forget = op_forget,
+    .forget_multi = op_forget_multi,
+    .getattr = op_getattr,
+    .setattr = op_setattr,
+    .readlink = op_readlink,
+    .mknod = op_mknod,
+    .mkdir = op_mkdir,
+    .unlink = op_unlink,
+    .rmdir = op_rmdir,
+    .symlink = op_symlink,
+    .rename = op_rename,
+    .link = op_link,
+    .open = op_open,
+    .read = op_read,
+    .write = op_write,
+    .flush = op_flush,
+    .release = op_release,
+    .fsync = op_fsync,
+    .opendir = op_opendir,
+    .readdir = op_readdir,
+    .readdirplus = op_readdirplus,
+    .releasedir = op_releasedir,
+    .fsyncdir = op_fsyncdir,
+    .statfs = op_statfs,
+    .setxattr = op_setxattr,
+    .getxattr = op_getxattr,
+    .listxattr = op_listxattr,
+    .removexattr = op_removexattr,
+    .access = op_access,
+    .create = op_create,
+    .fallocate = op_fallocate,
+    .lseek = op_lseek,
+    .copy_file_range = op_copy_file_range,
+};

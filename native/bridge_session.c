@@ -1,0 +1,150 @@
+/*
+ * The FUSE session: mount, the request loop, signals, the kernel's cache
+ * invalidations, unmount.
+ *
+ * Theory of operation: bridge_mount creates the libfuse3 low-level session
+ * with bridge_ops (bridge_ops.c) and mounts it (default_permissions: the
+ * kernel checks modes, so the shard never sees ACCESS for plain opens);
+ * bridge_run reads one request from /dev/fuse at a time, counts it by
+ * opcode and dispatches it, and returns on SIGTERM, SIGINT or SIGHUP (its
+ * handlers end the loop; a blocked read returns EINTR, so no SA_RESTART) or
+ * when the kernel ends the session (an external unmount).  One thread reads
+ * /dev/fuse: the ring link keeps one request in flight (bridge_link.c), and
+ * the shard applies a volume's requests one after another, so more readers
+ * would only queue behind the same link.
+ *
+ * bridge_notify_inval_* run on the Python watcher thread while the loop
+ * runs (libfuse's notify calls are safe from another thread): the shard
+ * tells the bridge what another client changed, and the kernel forgets its
+ * cached attributes, pages and names for it (and bridge_cache.c its
+ * absent xattrs).
+ */
+#include "bridge_internal.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+int bridge_set_cache_timeout(double seconds)
+{
+    if (g_bridge.se != NULL || !(seconds >= 0.0 && seconds <= BRIDGE_TIMEOUT_SECONDS))
+        return -EINVAL;
+    g_bridge.cache_timeout = seconds;
+    return 0;
+}
+
+int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback)
+{
+    if (g_bridge.se != NULL)
+        return -EBUSY;
+    g_bridge.writeback = writeback != 0;
+    char opts[256];
+    snprintf(opts, sizeof opts,
+             "default_permissions,fsname=slates,subtype=slates,max_read=%u%s%s", BRIDGE_MAX_IO,
+             allow_other ? ",allow_other" : "", auto_unmount ? ",auto_unmount" : "");
+    struct fuse_args args = FUSE_ARGS_INIT(0, NULL);
+    if (fuse_opt_add_arg(&args, "slates-bridge") != 0 || fuse_opt_add_arg(&args, "-o") != 0 ||
+        fuse_opt_add_arg(&args, opts) != 0) {
+        fuse_opt_free_args(&args);
+        return -ENOMEM;
+    }
+    struct fuse_session *se = fuse_session_new(&args, &bridge_ops, sizeof bridge_ops, NULL);
+    fuse_opt_free_args(&args);
+    if (se == NULL)
+        return -EINVAL;
+    if (fuse_session_mount(se, mountpoint) != 0) {
+        fuse_session_destroy(se);
+        return -EIO;
+    }
+    g_bridge.se = se;
+    return 0;
+}
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    g_bridge.stop = 1;
+    if (g_bridge.se != NULL)
+        fuse_session_exit(g_bridge.se);
+}
+
+void bridge_exit(void) { on_signal(0); }
+
+int bridge_run(int ready_fd)
+{
+    if (g_bridge.se == NULL)
+        return -EINVAL;
+    static const int SIGNALS[] = {SIGTERM, SIGINT, SIGHUP};
+    struct sigaction old[3], sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = 0; /* no SA_RESTART: a blocked read must return EINTR */
+    for (int i = 0; i < 3; i++)
+        sigaction(SIGNALS[i], &sa, &old[i]);
+    int rc = 0;
+    struct fuse_buf fbuf;
+    memset(&fbuf, 0, sizeof fbuf);
+    while (!g_bridge.stop && !fuse_session_exited(g_bridge.se)) {
+        int res = fuse_session_receive_buf(g_bridge.se, &fbuf);
+        if (res == -EINTR || res == -EAGAIN)
+            continue;
+        if (res <= 0) {
+            rc = res;
+            break;
+        }
+        uint32_t opcode = 0;
+        if (!(fbuf.flags & FUSE_BUF_IS_FD) && (size_t)res >= 8) {
+            memcpy(&opcode, (const char *)fbuf.mem + 4, sizeof opcode);
+            bridge_count(opcode < BRIDGE_OPCODES ? (int)opcode : 0);
+        }
+        fuse_session_process_buf(g_bridge.se, &fbuf);
+        if (opcode == BRIDGE_OP_INIT && ready_fd >= 0) {
+            ssize_t w;
+            do
+                w = write(ready_fd, "1", 1);
+            while (w < 0 && errno == EINTR);
+            close(ready_fd);
+            ready_fd = -1;
+        }
+    }
+    free(fbuf.mem);
+    if (ready_fd >= 0)
+        close(ready_fd);
+    for (int i = 0; i < 3; i++)
+        sigaction(SIGNALS[i], &old[i], NULL);
+    return rc == -ENODEV ? 0 : rc;
+}
+
+/* Called from the watcher thread while the session loop runs (libfuse's
+ * notify calls are safe from another thread).  -ENOENT (the kernel does not
+ * know the inode or name) is not an error: there is nothing to forget. */
+int bridge_notify_inval_inode(uint64_t ino)
+{
+    if (g_bridge.se == NULL)
+        return -ENOTCONN;
+    absent_forget_inode(ino); /* another client may have set one of them */
+    int rc = fuse_lowlevel_notify_inval_inode(g_bridge.se, (fuse_ino_t)ino, 0, 0);
+    return rc == -ENOENT ? 0 : rc;
+}
+
+int bridge_notify_inval_entry(uint64_t parent, const char *name, size_t namelen)
+{
+    if (g_bridge.se == NULL)
+        return -ENOTCONN;
+    int rc = fuse_lowlevel_notify_inval_entry(g_bridge.se, (fuse_ino_t)parent, name, namelen);
+    return rc == -ENOENT ? 0 : rc;
+}
+
+void bridge_unmount(void)
+{
+    if (g_bridge.se != NULL) {
+        fuse_session_unmount(g_bridge.se);
+        fuse_session_destroy(g_bridge.se);
+        g_bridge.se = NULL;
+    }
+    bridge_detach();
+}
