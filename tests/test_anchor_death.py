@@ -2,7 +2,8 @@
 
 A bridge killed with SIGKILL is started again by the anchor on the same
 directory: the mount works again.  An anchor killed with SIGKILL takes its
-volumes with its RAM; the next anchor on the runtime directory says so
+volumes with its RAM: its bridges unmount and exit at once (no mount is
+left answering EIO), and the next anchor on the runtime directory says so
 (the volume names, from the shards' volume files), cleans the stale mount
 and the orphaned bridge, and `status` reports the loss.  Real processes.
 """
@@ -71,6 +72,9 @@ def test_a_dead_anchor_is_reported_and_cleaned_up_by_the_next(tmp_path: Path) ->
             (bridge,) = [m["pid"] for m in client.status()["mounts"]]
         os.kill(first.process.pid, signal.SIGKILL)
         first.process.wait()
+        # The bridge goes with its anchor (and unmounts), not only when the next comes.
+        wait_for(lambda: not Path(f"/proc/{bridge}").exists())
+        wait_for(lambda: not is_mounted(str(where)))
     finally:
         first.stop()
     second = start_service(runtime)  # it finds the old state file at once: wait for its own

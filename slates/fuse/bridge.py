@@ -72,6 +72,7 @@ from __future__ import annotations
 import argparse
 import array
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -561,6 +562,17 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
+def _end_with_the_anchor() -> None:
+    """When the anchor dies (its RAM, and so the volume, with it), this bridge gets
+    SIGHUP and unmounts (lazily if the mount is busy) rather than answer EIO forever."""
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGHUP, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+        print("slates-bridge: cannot tie this bridge's life to the anchor's", file=sys.stderr)
+    if os.getppid() != parent:  # it died before the tie was made
+        raise SystemExit("slates-bridge: the anchor is already gone")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slates-bridge", description=__doc__.splitlines()[0])
     parser.add_argument("--runtime-dir", default=None)
@@ -584,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before the C loop owns the signals, a SIGTERM must still unwind (and unmount).
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
+    _end_with_the_anchor()
     try:
         run_bridge(
             args.runtime_dir,
