@@ -52,3 +52,10 @@ SEEDS ?= 100000
 .PHONY: sim
 sim: bootstrap
 	$(BIN)/python -m slates.fleet.sim --seeds $(SEEDS)
+
+# `make fuzz ROUNDS=20000`: the seeded protocol fuzzer against a real anchor (CI runs a
+# bounded number of rounds inside the suite); prints the seed of any finding.
+ROUNDS ?= 20000
+.PHONY: fuzz
+fuzz: bootstrap
+	$(BIN)/python -m tests.protocol_fuzz --rounds $(ROUNDS)
