@@ -958,7 +958,7 @@ def versions(green_ref: str, limit: int, runtime_dir: str | None, as_json: bool)
             str(entry["version"]),
             "-" if entry["base"] < 0 else str(entry["base"]),
             Text(entry["work"] or "-"),
-            Text("\n".join(entry["paths"]) or "-"),
+            Text("(pruned)" if entry.get("pruned") else "\n".join(entry["paths"]) or "-"),
         )
     if not ledger["versions"]:
         table.caption = "none shown"
