@@ -85,8 +85,12 @@ __all__ = [
     "MAX_CONNECTIONS",
 ]
 
-# Journal bytes that trigger a checkpoint (bounds replay); tests set it small.
+# What triggers a checkpoint, between requests (tests set them small): journal bytes
+# or events since the last one (both bound the time replay takes), or private bytes
+# freed since (deleted pages must not live on in the checkpoint and journal).
 CHECKPOINT_EVERY_BYTES = int(os.environ.get("SLATES_CHECKPOINT_BYTES", 64 << 20))
+CHECKPOINT_EVERY_EVENTS = int(os.environ.get("SLATES_CHECKPOINT_EVENTS", 50_000))
+CHECKPOINT_FREED_BYTES = int(os.environ.get("SLATES_CHECKPOINT_FREED_BYTES", 64 << 20))
 MAX_CONNECTIONS = 256
 # Requests that make or delete volumes: the names file is written after them.
 NAMING_OPS = frozenset({"volume.create", "volume.delete", "green.create", "work.create", "clone"})
@@ -157,6 +161,8 @@ class Shard:
         self.agents = Agents(protected[0]) if protected else None
         self.runtime = Runtime(protected[0]) if protected else None
         self.usage: dict[str, _Usage] = {}
+        self.events_since = 0  # events committed since the last checkpoint
+        self.private_peak = 0  # the most private bytes held since the last checkpoint
 
     def write_names(self) -> None:
         """The volumes' names, for the next anchor to report should the host's RAM go
@@ -190,12 +196,24 @@ class Shard:
                 f"journal generation {self.journal.generation} does not follow "
                 f"checkpoint generation {generation}"
             )
+        self.events_since = replayed  # the journal holds them until the next checkpoint
+        self.private_peak = self.host.private_bytes
         return replayed
 
     def checkpoint(self) -> None:
         generation = self.journal.generation + 1
         self.checkpoints.write(generation, self.service.checkpoint())
         self.journal.start_generation(generation)
+        self.events_since = 0
+        self.private_peak = self.host.private_bytes
+
+    def _checkpoint_due(self) -> bool:
+        self.private_peak = max(self.private_peak, self.host.private_bytes)
+        return (
+            self.journal.committed > CHECKPOINT_EVERY_BYTES
+            or self.events_since > CHECKPOINT_EVERY_EVENTS
+            or self.private_peak - self.host.private_bytes > CHECKPOINT_FREED_BYTES
+        )
 
     def commit(self, events: list[Any]) -> None:
         if not events:
@@ -203,6 +221,7 @@ class Shard:
         payload = pack({"events": events})
         # No checkpoint here: the service state already holds this request's
         # effects, which must reach the journal, not a checkpoint, first.
+        self.events_since += len(events)
         try:
             self.journal.append(payload)
         except SlatesError as exc:
@@ -215,7 +234,7 @@ class Shard:
             request = parse_request(unpack(message))
         except SlatesError as exc:
             return pack(error_reply(0, exc))
-        if self.journal.committed > CHECKPOINT_EVERY_BYTES:
+        if self._checkpoint_due():
             self.checkpoint()  # between requests: the state is exactly the journal's
         reply, events = self.service.handle(
             hello.client, request, time.time_ns(), Principal(hello.principal)
