@@ -77,9 +77,6 @@ class LandingOps:
             ],
         }
 
-    def _reader(self, root: Any) -> Volume:
-        return Volume(self.service.host, root)
-
     def run(self, op: str, args: dict[str, Any]) -> Any:
         match op:
             case "land.plan":
@@ -232,7 +229,7 @@ class LandingOps:
         return None
 
     def _file_in(self, root: Any, path: str) -> bytes | None:
-        reader = self._reader(root)
+        reader = self.service._reader(root)
         try:
             try:
                 ino = reader.resolve("/" + path)
@@ -297,7 +294,7 @@ class LandingOps:
         def read(root: Any, ino: int) -> bytes:
             reader = readers.get(id(root))
             if reader is None:
-                reader = readers[id(root)] = self._reader(root)
+                reader = readers[id(root)] = self.service._reader(root)
             return reader.read(ino, 0, reader.getattr(ino).size)
 
         try:
@@ -327,7 +324,7 @@ class LandingOps:
         snapshot = self.service.snapshots.get(manifest.source)
         if snapshot is None:
             raise MissingContent("the landing's snapshot is gone", snapshot=manifest.source)
-        reader = self._reader(snapshot.root)
+        reader = self.service._reader(snapshot.root)
         try:
             try:
                 ino = reader.resolve("/" + path)

@@ -42,7 +42,7 @@ from slates.errors import (
     VerificationFailed,
 )
 from slates.node.protocol import FrameReader, check_ok, frame, pack, unpack
-from slates.node.runtime import Runtime
+from slates.node.runtime import MountInfo, Runtime
 from slates.node.service import shard_of
 from slates.sdk.connection import RECONNECT_SECONDS, ShardConnection, send_all
 from slates.sdk.names import Role, check_reference, is_volume_id, pick_volume
@@ -70,6 +70,15 @@ def _size(value: int | None, what: str) -> int | None:
     if value is not None and (not isinstance(value, int) or value <= 0):
         raise InvalidArgument(f"{what} must be a positive number of bytes", value=str(value))
     return value
+
+
+def _mount_view(mount: MountInfo) -> dict[str, Any]:
+    return {
+        "directory": mount.directory,
+        "volume": mount.volume,
+        "pid": mount.pid,
+        "health": mount.health,
+    }
 
 
 class AsyncClient:
@@ -156,10 +165,7 @@ class AsyncClient:
                 shard = await self.call(info.index, "status")
             shard.update(pid=info.pid, restarts=info.restarts, state=info.state)
             shards.append(shard)
-        mounts = [
-            {"directory": m.directory, "volume": m.volume, "pid": m.pid, "health": m.health}
-            for m in state.mounts
-        ]
+        mounts = [_mount_view(m) for m in state.mounts]
         lost: Any = None  # what the previous anchor took with it when it died, if one did
         with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
             lost = json.loads(self.runtime.lost_file.read_text())
@@ -280,14 +286,16 @@ class AsyncClient:
 
     async def list_volumes(self) -> list[dict[str, Any]]:
         """The volumes of every shard that serves (a shard left down has none to list)."""
-        serving = {
-            info.index for info in self.runtime.read_state().shards if info.state != "failed"
-        }
         volumes: list[dict[str, Any]] = []
-        for index in range(len(self._shards)):
-            if index in serving:
-                volumes.extend(await self.call(index, "volume.list"))
+        for index in self._serving_shards():
+            volumes.extend(await self.call(index, "volume.list"))
         return volumes
+
+    def _serving_shards(self) -> list[int]:
+        """The shards that serve (the anchor leaves one that keeps dying down)."""
+        return sorted(
+            info.index for info in self.runtime.read_state().shards if info.state != "failed"
+        )
 
     async def show_volume(self, volume: str) -> dict[str, Any]:
         result: dict[str, Any] = await self._on(volume, "volume.show", volume=volume)
@@ -315,11 +323,8 @@ class AsyncClient:
 
     async def gc(self) -> dict[str, Any]:
         """Collect now on every serving shard: prune greens, free unused content."""
-        serving = {
-            info.index for info in self.runtime.read_state().shards if info.state != "failed"
-        }
         total: dict[str, Any] = {"pruned": {}, "freed_bytes": 0, "host_physical_bytes": 0}
-        for index in sorted(serving):
+        for index in self._serving_shards():
             result = await self.call(index, "gc")
             total["pruned"].update(result["pruned"])
             total["freed_bytes"] += result["freed_bytes"]
@@ -328,10 +333,7 @@ class AsyncClient:
 
     async def mounts(self) -> list[dict[str, Any]]:
         """This host's mounts (directory, volume, bridge pid), from the anchor's state."""
-        return [
-            {"directory": m.directory, "volume": m.volume, "pid": m.pid, "health": m.health}
-            for m in self.runtime.read_state().mounts
-        ]
+        return [_mount_view(m) for m in self.runtime.read_state().mounts]
 
     async def snapshot(self, volume: str) -> str:
         await self._barrier(volume)
