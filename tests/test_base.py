@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 import slates.base.capturing as capture_module
 from slates.base import LiveDirectory, capture
 from slates.core import ROOT_INO, Host, Kind, Volume
-from slates.core.records import Fingerprint
+from slates.core.records import BaseEntry, Fingerprint
 from slates.errors import BaseDrift, ConsistentBaseUnavailable, InvalidArgument, NotFound
 from tests.volume_check import check_invariants, tree
 
@@ -172,16 +173,18 @@ def test_capture_matches_a_live_view(project: Path) -> None:
 def test_capture_refuses_a_directory_that_changes_during_the_capture(
     project: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_copy = capture_module._copy_file
+    real_pieces = capture_module.CaptureReader._pieces
     calls = []
 
-    def copy_then_edit(live: LiveDirectory, volume: Volume, entry: object, ino: int) -> None:
-        real_copy(live, volume, entry, ino)  # type: ignore[arg-type]
+    def copy_then_edit(
+        self: capture_module.CaptureReader, entry: BaseEntry
+    ) -> Iterator[capture_module.Piece]:
+        yield from real_pieces(self, entry)
         calls.append(entry)
         if len(calls) == 1:  # a writer edits an already-captured file
             (project / "image.conf").write_bytes(b"quality=70\ncache=off\n")
 
-    monkeypatch.setattr(capture_module, "_copy_file", copy_then_edit)
+    monkeypatch.setattr(capture_module.CaptureReader, "_pieces", copy_then_edit)
     host = Host()
     with pytest.raises(ConsistentBaseUnavailable) as excinfo:
         capture(str(project), host, snapshot_id="v0")
@@ -209,13 +212,15 @@ def test_capture_refuses_a_file_changed_while_it_is_read(
 def test_a_new_file_during_capture_is_detected(
     project: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_copy = capture_module._copy_file
+    real_pieces = capture_module.CaptureReader._pieces
 
-    def copy_then_add(live: LiveDirectory, volume: Volume, entry: object, ino: int) -> None:
-        real_copy(live, volume, entry, ino)  # type: ignore[arg-type]
+    def copy_then_add(
+        self: capture_module.CaptureReader, entry: BaseEntry
+    ) -> Iterator[capture_module.Piece]:
+        yield from real_pieces(self, entry)
         (project / "src" / "appeared.rs").write_bytes(b"new")
 
-    monkeypatch.setattr(capture_module, "_copy_file", copy_then_add)
+    monkeypatch.setattr(capture_module.CaptureReader, "_pieces", copy_then_add)
     with pytest.raises(ConsistentBaseUnavailable):
         capture(str(project), Host(), snapshot_id="v0")
 

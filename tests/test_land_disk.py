@@ -248,6 +248,46 @@ def test_a_mode_change_keeps_the_file_and_its_bytes(tmp_path: Path) -> None:
     assert os.lstat(tmp_path / "run.sh").st_ino == inode
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own files as other users")
+def test_landed_entries_belong_to_the_developer_not_the_service(tmp_path: Path) -> None:
+    """As root, a new entry takes its directory's owner and a replaced one keeps its
+    owner; a setuid bit the manifest asks for survives the chown (set after it)."""
+    build(tmp_path, {"mine.txt": file_node(b"old\n"), "src": dir_node()})
+    developer, other = (47201, 47202), (47203, 47204)
+    for path in (tmp_path, tmp_path / "src"):
+        os.chown(path, *developer)
+    os.chown(tmp_path / "mine.txt", *other)
+    entries = (
+        Entry("docs", None, state_of(dir_node(0o755))),
+        Entry("latest", None, state_of(link_node("src/new.c"))),
+        Entry("mine.txt", state_of(file_node(b"old\n")), state_of(file_node(b"new\n"))),
+        Entry("src/new.c", None, state_of(file_node(b"int x;\n"))),
+        Entry("tool", None, state_of(file_node(b"#!/bin/sh\n", 0o4755))),
+    )
+    new = {
+        "mine.txt": file_node(b"new\n"),
+        "src": dir_node(),
+        "src/new.c": file_node(b"int x;\n"),
+        "tool": file_node(b"#!/bin/sh\n", 0o4755),
+        "docs": dir_node(0o755),
+        "latest": link_node("src/new.c"),
+    }
+    manifest = Manifest("snap-0-1", str(tmp_path), entries)
+    assert set(land(tmp_path, manifest, new).values()) == {Decision.APPLY}
+    owners = {
+        name: (os.lstat(tmp_path / name).st_uid, os.lstat(tmp_path / name).st_gid)
+        for name in ("mine.txt", "src/new.c", "tool", "docs", "latest")
+    }
+    assert owners == {
+        "mine.txt": other,
+        "src/new.c": developer,
+        "tool": developer,
+        "docs": developer,
+        "latest": developer,
+    }
+    assert stat.S_IMODE(os.lstat(tmp_path / "tool").st_mode) == 0o4755
+
+
 # -- trees ----------------------------------------------------------------------------------
 
 OLD_TREE: Tree = {

@@ -258,7 +258,11 @@ def check_mountpoint(path: str | os.PathLike[str]) -> Path:
 
 
 def hello(
-    socket_path: str, client_id: str, timeout: float, mount: str | None = None
+    socket_path: str,
+    client_id: str,
+    timeout: float,
+    mount: str | None = None,
+    token: str | None = None,
 ) -> tuple[socket.socket, list[int]]:
     """Say hello (rings requested) on a shard's socket: (socket, the ring pair's 4 fds).
 
@@ -270,7 +274,10 @@ def hello(
     try:
         sock.settimeout(timeout)
         sock.connect(socket_path)
-        sock.sendall(frame(pack({"client": client_id, "rings": True, "mount": mount})))
+        greeting = {"client": client_id, "rings": True, "mount": mount}
+        if token is not None:
+            greeting["token"] = token
+        sock.sendall(frame(pack(greeting)))
         reader = FrameReader()
         while (answer := reader.next_frame()) is None:
             data, ancillary, _flags, _addr = sock.recvmsg(
@@ -309,6 +316,9 @@ class Bridge:
         self.mounted = False
         self.stopping = False
         self.watching = threading.Event()
+        # An agent's mount acts as that agent: the anchor hands its token over in
+        # the environment (never argv), and the shard authorizes every request.
+        self.token = os.environ.get("SLATES_TOKEN") or None
 
     def configure(self, spin_ns: int | None = None) -> None:
         """Set the reply spin: long enough to cover a typical request in the shard
@@ -321,7 +331,7 @@ class Bridge:
     def use_counter_file(self, path: str | os.PathLike[str]) -> None:
         """Keep the C counters in `path` (created or reset), readable by read_counters."""
         size = lib.BRIDGE_COUNTER_BYTES
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
             self._counters = mmap.mmap(fd, size)
@@ -340,7 +350,7 @@ class Bridge:
 
     def connect(self, timeout: float = HELLO_TIMEOUT) -> None:
         """One hello; hands the ring pair and the socket to C."""
-        sock, fds = hello(self._socket_path(), self.client_id, timeout, self.volume)
+        sock, fds = hello(self._socket_path(), self.client_id, timeout, self.volume, self.token)
         sock_fd = sock.detach()
         rc = lib.bridge_attach(fds[0], fds[1], fds[2], fds[3], sock_fd)  # C owns them now
         if rc < 0:
@@ -396,7 +406,10 @@ class Bridge:
     def _watch_once(self) -> None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(self._socket_path())
-            sock.sendall(frame(pack({"client": self.client_id, "watch": self.volume})))
+            greeting = {"client": self.client_id, "watch": self.volume}
+            if self.token is not None:
+                greeting["token"] = self.token
+            sock.sendall(frame(pack(greeting)))
             reader = FrameReader()
             first = True
             while not self.stopping:

@@ -41,6 +41,7 @@ import dataclasses
 import errno
 import fcntl
 import os
+import posixpath
 import signal
 import stat
 import time
@@ -119,6 +120,19 @@ def _open_regular(dir_fd: int, name: str) -> int | None:
 
 class _ParentGone(Exception):
     """A directory on the way to an entry is missing or is not a directory."""
+
+
+def _owner_for(dir_fd: int, name: str) -> tuple[int, int] | None:
+    """Whose a landed entry is: the owner of the entry it replaces, else of the directory
+    it lands in (the developer's, not the service's).  None when the service is not
+    root: then its files are its user's, as every file that user writes."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        st = lstat_beneath(dir_fd, name)
+    except (FileNotFoundError, NotADirectoryError):
+        st = os.fstat(dir_fd)
+    return st.st_uid, st.st_gid
 
 
 def _failpoint() -> None:
@@ -413,12 +427,15 @@ class Target:
     def _build(self, dir_fd: int, temp: str, path: str, proposed: State, content: bytes) -> None:
         """The whole new entry under the temporary name; on any failure the temporary
         name is removed before the error goes on (nothing half-built stays behind)."""
+        owner = _owner_for(dir_fd, posixpath.basename(path))
         try:
             if proposed.kind == "dir":
                 os.mkdir(temp, 0o700, dir_fd=dir_fd)
+                if owner is not None:
+                    os.chown(temp, *owner, dir_fd=dir_fd, follow_symlinks=False)
                 self._set_dir_mode(dir_fd, temp, path, proposed.mode)
             else:
-                self._write_temp(dir_fd, temp, proposed, content)
+                self._write_temp(dir_fd, temp, proposed, content, owner)
         except BaseException:
             self._discard_built(dir_fd, temp)
             raise
@@ -429,9 +446,18 @@ class Target:
         with contextlib.suppress(OSError):
             self._discard(dir_fd, temp)
 
-    def _write_temp(self, dir_fd: int, temp: str, proposed: State, content: bytes) -> None:
+    def _write_temp(
+        self,
+        dir_fd: int,
+        temp: str,
+        proposed: State,
+        content: bytes,
+        owner: tuple[int, int] | None = None,
+    ) -> None:
         if proposed.kind == "symlink":
             os.symlink(os.fsdecode(content), temp, dir_fd=dir_fd)
+            if owner is not None:
+                os.chown(temp, *owner, dir_fd=dir_fd, follow_symlinks=False)
             return
         # 0600 while it is written: the proposed mode (setuid, say) only on whole bytes.
         fd = os.open(
@@ -445,6 +471,8 @@ class Target:
             while view:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
+            if owner is not None:  # before the mode: a chown clears setuid and setgid bits
+                os.fchown(fd, *owner)
             os.fchmod(fd, landed_mode(proposed))
             os.fsync(fd)
         finally:

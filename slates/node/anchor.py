@@ -17,6 +17,7 @@ spinning; the other shards and the anchor keep serving.
 from __future__ import annotations
 
 import contextlib
+import grp
 import json
 import math
 import os
@@ -44,7 +45,8 @@ from slates.errors import (
     error_from_wire,
 )
 from slates.node.journal import create_segment
-from slates.node.protocol import FrameReader, frame, pack, unpack
+from slates.node.principals import OPERATOR, Agents, Principal
+from slates.node.protocol import MAX_TOKEN, FrameReader, frame, pack, unpack
 from slates.node.runtime import AnchorState, MountInfo, Runtime, ShardInfo, pid_alive
 
 __all__ = [
@@ -112,6 +114,9 @@ class _Mount:
     uid: int = 0
     writeback: bool = False
     restarts: deque[float] = field(default_factory=deque)
+    allow_other: bool = False
+    principal: Principal = OPERATOR
+    token: str | None = None  # an agent's mount: its bridge acts as that agent
 
 
 @dataclass
@@ -126,7 +131,12 @@ class _ShardSlot:
 
 class Anchor:
     def __init__(
-        self, runtime: Runtime, shards: int, capacity: int, allow_roots: tuple[str, ...] = ()
+        self,
+        runtime: Runtime,
+        shards: int,
+        capacity: int,
+        allow_roots: tuple[str, ...] = (),
+        agent_group: int | None = None,
     ) -> None:
         if shards < 1:
             raise InvalidArgument("an anchor needs at least one shard", shards=shards)
@@ -143,19 +153,30 @@ class Anchor:
         self.mounts: dict[str, _Mount] = {}  # by directory
         self.exit_code = 0
         self.control: socket.socket | None = None
+        # Agents running as other users reach the sockets through this group; their
+        # tokens, not their uids, say who they are.
+        self.agent_group = agent_group
+        self.agents = Agents(runtime.path)
+
+    def _open_to_agents(self, path: Path) -> None:
+        if self.agent_group is None:
+            os.chmod(path, 0o600)
+        else:
+            os.chown(path, -1, self.agent_group)
+            os.chmod(path, 0o660)
 
     def _listen(self, index: int) -> socket.socket:
         path = self.runtime.shard_socket(index)
         path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
-        os.chmod(path, 0o600)
+        self._open_to_agents(path)
         listener.listen(128)
         listener.set_inheritable(True)
         return listener
 
     def prepare(self) -> None:
-        self.runtime.prepare()
+        self.runtime.prepare(group=self.agent_group)
         self.runtime.ensure_approver_key()
         self._report_dead_predecessor()
         try:
@@ -184,7 +205,7 @@ class Anchor:
         path.unlink(missing_ok=True)
         self.control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.control.bind(str(path))
-        os.chmod(path, 0o600)
+        self._open_to_agents(path)
         self.control.listen(16)
         self.control.settimeout(0.05)
 
@@ -295,16 +316,38 @@ class Anchor:
             except (OSError, SlatesError) as exc:
                 _log(f"control connection failed: {exc}")
 
+    def _principal(self, uid: int, token: object) -> Principal:
+        """Who asks: the agent its token names, else the operator (our own user or
+        root, with no token); anyone else (a member of the agent group) is refused."""
+        if token is not None:
+            if not isinstance(token, str) or not 0 < len(token) <= MAX_TOKEN:
+                raise InvalidArgument("a token is a string of 1 to 256 characters")
+            return self.agents.authenticate(token)
+        if uid not in (0, os.geteuid()):
+            raise AccessDenied("this service belongs to another user; present a token", uid=uid)
+        return OPERATOR
+
     def _control(self, request: dict[str, object], uid: int) -> object:
+        principal = self._principal(uid, request.get("token"))
+        token = request.get("token") if not principal.is_operator else None
         match request.get("op"):
             case "mount":
                 volume, directory = request.get("volume"), request.get("directory")
                 if not isinstance(volume, str) or not isinstance(directory, str):
                     raise InvalidArgument("mount needs a volume and a directory")
                 writeback = request.get("writeback", False)
-                if not isinstance(writeback, bool):
-                    raise InvalidArgument("writeback is true or false")
-                return self._mount(volume, directory, uid, writeback)
+                allow_other = request.get("allow_other", False)
+                if not isinstance(writeback, bool) or not isinstance(allow_other, bool):
+                    raise InvalidArgument("writeback and allow_other are true or false")
+                return self._mount(
+                    volume,
+                    directory,
+                    uid,
+                    writeback,
+                    allow_other=allow_other,
+                    principal=principal,
+                    token=token if isinstance(token, str) else None,
+                )
             case "unmount":
                 directory = request.get("directory")
                 if not isinstance(directory, str):
@@ -315,13 +358,39 @@ class Anchor:
                 # Never stat the mount point itself: that asks the bridge, which
                 # may be waiting for a shard only this loop can restart.
                 head, name = os.path.split(os.path.normpath(directory))
-                return self._unmount(os.path.join(os.path.realpath(head), name), force=force)
+                path = os.path.join(os.path.realpath(head), name)
+                mount = self.mounts.get(path)
+                if mount is not None and not principal.is_operator and (
+                    mount.principal != principal or mount.uid != uid
+                ):
+                    raise AccessDenied(
+                        "that mount belongs to another principal",
+                        directory=path,
+                        principal=principal.label,
+                    )
+                return self._unmount(path, force=force)
             case _:
                 raise InvalidArgument("unknown control operation")
 
     def _mount(
-        self, volume: str, directory: str, uid: int, writeback: bool = False
+        self,
+        volume: str,
+        directory: str,
+        uid: int,
+        writeback: bool = False,
+        *,
+        allow_other: bool = False,
+        principal: Principal = OPERATOR,
+        token: str | None = None,
     ) -> dict[str, object]:
+        """Start a bridge serving `volume` at `directory` (which the asker owns).
+
+        A mount asked by another user than the bridge's is opened to other users
+        (allow_other), or its asker could not enter it; default_permissions makes
+        the kernel check every access against the files' modes and owners.  An
+        agent's bridge presents the agent's token, so the shard authorizes its
+        requests as that agent's (a green mounts read-only for it)."""
+        allow_other = allow_other or uid != os.geteuid()
         path = os.path.realpath(directory)
         try:
             st = os.stat(path)
@@ -347,12 +416,19 @@ class Anchor:
             "--ready-fd", str(ready_write),
             "--counters", str(self.runtime.path / f"counters-{volume}-{time.time_ns()}"),
             *([] if writeback else ["--no-writeback-cache"]),
+            *(["--allow-other"] if allow_other else []),
         ]  # fmt: skip
+        environment = {k: v for k, v in os.environ.items() if k != "SLATES_TOKEN"}
+        if token is not None:
+            environment["SLATES_TOKEN"] = token
         log_path = (
             self.runtime.path / f"bridge-{os.getpid()}-{len(self.mounts)}-{time.time_ns()}.log"
         )
-        with open(log_path, "wb") as log:  # the bridge's diagnostics; read back on failure
-            process = subprocess.Popen(command, pass_fds=(ready_write,), stderr=log)
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(log_fd, "wb") as log:  # the bridge's diagnostics; read back on failure
+            process = subprocess.Popen(
+                command, pass_fds=(ready_write,), stderr=log, env=environment
+            )
         os.close(ready_write)
         started = self._wait_ready(ready_read, process)
         if not started:
@@ -365,7 +441,16 @@ class Anchor:
             log_path.unlink(missing_ok=True)
             self._clean_mountpoint(path)
             raise _bridge_error(message)
-        self.mounts[path] = _Mount(path, volume, process, uid, writeback)
+        self.mounts[path] = _Mount(
+            path,
+            volume,
+            process,
+            uid,
+            writeback,
+            allow_other=allow_other,
+            principal=principal,
+            token=token,
+        )
         self._publish()
         _log(f"mounted {volume} at {path} (bridge pid {process.pid})")
         return {"directory": path, "volume": volume, "pid": process.pid}
@@ -433,7 +518,15 @@ class Anchor:
                 _log(f"the bridge for {path} keeps dying; the volume stays unmounted")
                 continue
             try:
-                self._mount(mount.volume, path, mount.uid, mount.writeback)
+                self._mount(
+                    mount.volume,
+                    path,
+                    mount.uid,
+                    mount.writeback,
+                    allow_other=mount.allow_other,
+                    principal=mount.principal,
+                    token=mount.token,
+                )
             except SlatesError as exc:
                 _log(f"could not mount {mount.volume} at {path} again: {exc}")
                 continue
@@ -465,6 +558,7 @@ class Anchor:
             self._clean_mountpoint(directory)
         lost = {"pid": pid, "volumes": sorted(names), "mounts": [d for d, _ in mounts]}
         self.runtime.lost_file.write_text(json.dumps(lost))
+        os.chmod(self.runtime.lost_file, 0o600)
         self.runtime.state_file.unlink(missing_ok=True)
         _log(
             f"the previous anchor (pid {pid}) died; lost with its RAM: {len(names)} volumes"
@@ -579,11 +673,14 @@ def run_anchor(
     *,
     daemon: bool,
     allow_roots: tuple[str, ...] = (),
+    agent_group: str | None = None,
 ) -> int:
     """Prepare, then serve in the foreground, or detach and return once serving.
 
-    `allow_roots`: where agents' bases and landing targets may lie."""
-    anchor = Anchor(runtime, shards, capacity, allow_roots)
+    `allow_roots`: where agents' bases and landing targets may lie; `agent_group`
+    (a group name or number): the group whose members may reach the sockets."""
+    group = None if agent_group is None else group_id(agent_group)
+    anchor = Anchor(runtime, shards, capacity, allow_roots, group)
     anchor.prepare()
     if not daemon:
         return anchor.run()
@@ -610,6 +707,16 @@ def run_anchor(
     os._exit(anchor.run())
 
 
+def group_id(name: str) -> int:
+    """A group name or number as a gid."""
+    if name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise NotFound("no such group", group=name) from None
+
+
 def spawn_anchor(
     runtime: Path,
     *,
@@ -619,12 +726,14 @@ def spawn_anchor(
     env: dict[str, str] | None = None,
     timeout: float = 30.0,
     allow_roots: tuple[str, ...] = (),
+    agent_group: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start `slates anchor` as a child process and return once it serves (demos, tests)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "slates_cli.main", "anchor", "--runtime-dir", str(runtime),
          "--shards", str(shards), "--capacity", capacity,
-         *(arg for root in allow_roots for arg in ("--allow-root", root))],
+         *(arg for root in allow_roots for arg in ("--allow-root", root)),
+         *(["--agent-group", agent_group] if agent_group is not None else [])],
         stdout=log,
         stderr=log,
         env={**os.environ, **(env or {})},

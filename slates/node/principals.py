@@ -45,6 +45,8 @@ __all__ = [
     "authorize",
     "AGENT_OPS",
     "GREEN_READS",
+    "FS_READS",
+    "FS_WRITES",
 ]
 
 AGENTS_FILE = "agents.json"
@@ -69,16 +71,30 @@ class Principal:
 
 OPERATOR = Principal()
 
-# What an agent may do with a green volume it does not own: read it.
+# A mount's requests (the agent's own bridge asks them): reads, and the rest.
+FS_READS = frozenset(
+    {"fs.lookup", "fs.forget", "fs.destroy", "fs.getattr", "fs.readlink", "fs.read"}
+    | {"fs.readdir", "fs.statfs", "fs.getxattr", "fs.listxattr", "fs.lseek", "fs.access"}
+    | {"fs.fsync"}
+)
+FS_WRITES = frozenset(
+    {"fs.setattr", "fs.mknod", "fs.mkdir", "fs.unlink", "fs.rmdir", "fs.symlink", "fs.rename"}
+    | {"fs.link", "fs.create", "fs.write", "fs.setxattr", "fs.removexattr", "fs.fallocate"}
+    | {"fs.copy_file_range"}
+)
+# What an agent may do with a green volume it does not own: read it (a mount of it too).
 GREEN_READS = frozenset(
     {"read", "list", "stat", "readlink", "volume.show", "versions", "changed_since"}
     | {"work.create", "land.plan"}
+    | FS_READS
 )
 # What an agent may do with its own volumes (anything a client can ask of a volume).
 OWN_VOLUME_OPS = frozenset(
     {"read", "list", "stat", "readlink", "volume.show", "volume.delete", "snapshot", "seal"}
     | {"write", "edit", "truncate", "mkdir", "symlink", "unlink", "rmdir", "rename"}
     | {"submit", "rebase", "land.plan", "counters"}
+    | FS_READS
+    | FS_WRITES
 )
 # Operations that name no volume and that an agent may ask.
 AGENT_OPS = frozenset(

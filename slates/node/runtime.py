@@ -166,18 +166,29 @@ class Runtime:
     def log_file(self) -> Path:
         return self.path / "anchor.log"
 
-    def prepare(self) -> None:
-        """Create the directory 0700, or check that an existing one is private and ours."""
+    def prepare(self, group: int | None = None) -> None:
+        """Create the directory 0700, or check that an existing one is ours and make it
+        private.  With an agent `group`, the directory is 0750 to that group (its members
+        reach the sockets and the state file; every secret in it stays 0600)."""
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = self.path.stat()
         if st.st_uid != os.geteuid():
             raise AccessDenied("the runtime directory belongs to another user", path=str(self.path))
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.chmod(self.path, 0o700)
+        if group is None:
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                os.chmod(self.path, 0o700)
+            return
+        os.chown(self.path, -1, group)
+        os.chmod(self.path, 0o750)
+        for secret in self.path.iterdir():  # a previous anchor's files: none readable
+            if secret.is_file() and not secret.is_symlink():
+                os.chmod(secret, stat.S_IMODE(secret.stat().st_mode) & 0o700)
 
     def write_state(self, state: AnchorState) -> None:
+        """The state file is the one file agents of the agent group may read (0640)."""
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state.to_json()))
+        os.chmod(tmp, 0o640)
         os.replace(tmp, self.state_file)
 
     def read_state(self) -> AnchorState:

@@ -56,15 +56,24 @@ from slates.core.records import (
     Unlink,
     Write,
 )
-from slates.errors import AccessDenied, CapacityExhausted, InvalidArgument, NotFound, SlatesError
+from slates.errors import (
+    AccessDenied,
+    CapacityExhausted,
+    ConsistentBaseUnavailable,
+    InvalidArgument,
+    NotFound,
+    SlatesError,
+)
 from slates.node.arena import ArenaChunks
+from slates.node.jobs import Io, Job, Outcome, Sent, Thrown
 from slates.node.journal import Checkpoints, Journal, Segment
-from slates.node.principals import Agents, Principal
+from slates.node.principals import Agents, Principal, authorize
 from slates.node.protocol import (
     MAX_FRAME,
     Budget,
     FrameReader,
     Hello,
+    Request,
     error_reply,
     frame,
     pack,
@@ -113,6 +122,7 @@ MIN_APPROVER_KEY = 32  # bytes: a shorter (an empty) credential approves nothing
 # mount's 1 MiB reads and writes with their envelope, so only SDK calls
 # larger than 2 MiB travel on the socket.
 RING_CAPACITY = 4 << 20
+IO_THREADS = 4  # worker threads for long requests' I/O (captures, landings), per shard
 _UCRED = struct.Struct("3i")
 
 
@@ -161,6 +171,7 @@ class Shard:
         self.agents = Agents(protected[0]) if protected else None
         self.runtime = Runtime(protected[0]) if protected else None
         self.usage: dict[str, _Usage] = {}
+        self.io_threads = trio.CapacityLimiter(IO_THREADS)  # jobs' I/O off the loop
         self.events_since = 0  # events committed since the last checkpoint
         self.private_peak = 0  # the most private bytes held since the last checkpoint
 
@@ -172,6 +183,7 @@ class Shard:
         path = self.runtime.volumes_file(self.index)
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps(sorted(set(self.service.names.values()))))
+        os.chmod(temporary, 0o600)
         os.replace(temporary, path)
 
     # -- recovery and commits -------------------------------------------------
@@ -218,7 +230,9 @@ class Shard:
     def commit(self, events: list[Any]) -> None:
         if not events:
             return
-        payload = pack({"events": events})
+        from slates.node.events import to_wire  # the journal holds each event's wire form
+
+        payload = pack({"events": [to_wire(event) for event in events]})
         # No checkpoint here: the service state already holds this request's
         # effects, which must reach the journal, not a checkpoint, first.
         self.events_since += len(events)
@@ -229,7 +243,8 @@ class Shard:
             os._exit(3)
         _failpoint_after_commit()
 
-    def handle(self, hello: Hello, message: bytes) -> bytes:
+    def handle(self, hello: Hello, message: bytes) -> bytes | Job:
+        """One request's packed reply, or the job a long request became (see answer)."""
         try:
             request = parse_request(unpack(message))
         except SlatesError as exc:
@@ -240,6 +255,41 @@ class Shard:
             hello.client, request, time.time_ns(), Principal(hello.principal)
         )
         self.commit(events)
+        if isinstance(reply, Job):
+            return reply
+        return self._answered(request, reply)
+
+    async def answer(self, hello: Hello, message: bytes) -> bytes:
+        """The packed reply to one request; a long request's job runs to its end here,
+        its I/O in worker threads and other connections' requests between its steps."""
+        outcome = self.handle(hello, message)
+        while isinstance(outcome, Job):
+            outcome = await self._advance(outcome)
+        return outcome
+
+    async def _advance(self, job: Job) -> bytes | Job:
+        waiting = job.waiting
+        sent: Outcome
+        if isinstance(waiting, Io):
+            try:
+                sent = Sent(await trio.to_thread.run_sync(waiting.fn, limiter=self.io_threads))
+            except SlatesError as exc:
+                sent = Thrown(exc)
+            except OSError as exc:
+                sent = Thrown(ConsistentBaseUnavailable("the disk failed", reason=str(exc)))
+        else:
+            await trio.lowlevel.checkpoint()  # others' requests run now
+            sent = Sent()
+        if self._checkpoint_due():
+            self.checkpoint()
+        reply, events = self.service.step(job, sent, time.time_ns())
+        self.commit(events)
+        if isinstance(reply, Job):
+            return reply
+        return self._answered(job.request, reply)
+
+    def _answered(self, request: Request, reply: dict[str, Any]) -> bytes:
+        """After a request's end: names, garbage, invalidations; the reply, packed."""
         if request.op in NAMING_OPS:
             self.write_names()
         self.service.collect_garbage()
@@ -349,7 +399,7 @@ class Shard:
         if not hello.rings:
             await send_all(conn, answer)
             while (message := await receive_frame(conn, reader)) is not None:
-                reply = self.handle(hello, message)
+                reply = await self.answer(hello, message)
                 await self.deliver(hello.client)
                 await send_all(conn, frame(reply))
             return
@@ -376,7 +426,7 @@ class Shard:
                 nursery.start_soon(self._socket_requests, conn, reader, hello, nursery.cancel_scope)
                 while True:
                     message = await pair.requests.receive()
-                    reply = self.handle(hello, message)
+                    reply = await self.answer(hello, message)
                     await self.deliver(hello.client)
                     if len(reply) > pair.replies.max_message:
                         await send_all(conn, frame(reply))
@@ -392,7 +442,7 @@ class Shard:
         scope: trio.CancelScope,
     ) -> None:
         while (message := await receive_frame(conn, reader)) is not None:
-            reply = self.handle(hello, message)
+            reply = await self.answer(hello, message)
             await self.deliver(hello.client)
             await send_all(conn, frame(reply))
         scope.cancel()
@@ -432,8 +482,15 @@ class Shard:
             if self.agents is None:
                 raise AccessDenied("this service has no agents")
             principal = self.agents.authenticate(hello.token)
-            if hello.watch is not None or hello.mount is not None:
-                raise AccessDenied("only the operator serves mounts", principal=principal.label)
+            for vid in (hello.watch, hello.mount):
+                if vid is not None:  # an agent's bridge serves only a volume it may use
+                    authorize(
+                        principal,
+                        "fs.getattr",
+                        {"volume": vid},
+                        self.service.owners,
+                        self.service.greens,
+                    )
             return dataclasses.replace(hello, token=None, principal=principal.name)
         if uid not in (0, os.geteuid()):
             raise AccessDenied("this service belongs to another user", peer_uid=uid)
@@ -527,11 +584,14 @@ def invalidations(applied: list[tuple[str, Record]]) -> dict[str, list[list[Any]
 
 
 def unpack_events(payload: bytes) -> list[Any]:
+    """A journal frame's events (slates.node.events; VerificationFailed for a malformed one)."""
+    from slates.node.events import from_wire
+
     message = unpack(payload)
     events = message.get("events")
     if not isinstance(events, list):
         raise InvalidArgument("malformed journal frame")
-    return events
+    return [from_wire(event) for event in events]
 
 
 def _die_with_parent() -> None:
