@@ -46,6 +46,7 @@ __all__ = [
     "GrantInvalid",
     "LandingConflict",
     "RequestExpired",
+    "Unavailable",
     "error_from_wire",
 ]
 
@@ -230,6 +231,15 @@ class RequestExpired(SlatesError):
     code = "RequestExpired"
     fault = "caller"
     errno_name = "ESTALE"
+
+
+class Unavailable(SlatesError):
+    """A peer host or the fleet's configuration group (etcd) did not answer in time, or
+    a commit's outcome is unknown (details say which): try again, or elsewhere."""
+
+    code = "Unavailable"
+    fault = "environment"
+    errno_name = "EAGAIN"
 
 
 def _all_error_classes() -> dict[str, type[SlatesError]]:

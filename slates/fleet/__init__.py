@@ -8,4 +8,10 @@ msgpack form), `ledger` (version values, chunks, recomputation), `holder`
 `node` (one host's machines).  The deterministic simulator: `sim` (entry
 point, `python -m slates.fleet.sim`), `world`, `council`, `simclients` and
 `invariants`; `scripted` is a hand-scripted network for scenario tests.
+
+Drivers (thin, real I/O): `pki` (the fleet CA and host enrolment, with the
+cryptography package), `quic` (mutual-TLS QUIC between enrolled hosts,
+aioquic's sans-I/O connection driven from trio), `etcd` (the configuration
+group through etcd's v3 JSON gateway) and `serf` (membership and failure
+verdicts from Debian's serf agent).
 """
