@@ -35,7 +35,7 @@ from slates.errors import (
     Unavailable,
     VerificationFailed,
 )
-from slates.fleet import pki, quic
+from slates.fleet import pki, quic, quic_link
 
 LOCAL = "127.0.0.1"
 LIMIT = 60.0  # a hang fails the test instead of stalling the run
@@ -330,7 +330,9 @@ async def test_an_unenrolled_server_is_refused(fleet: Fleet, tmp_path: Path, int
 async def test_a_client_without_a_certificate_is_refused(fleet: Fleet) -> None:
     h1 = fleet.hosts["h1"]
     limits = quic.TransportLimits()
-    configuration = quic._configuration(h1, limits, is_client=True, server_name="h2.fleet.slates")
+    configuration = quic_link.configuration_for(
+        h1, limits, is_client=True, server_name="h2.fleet.slates"
+    )
     configuration.certificate = None
     configuration.private_key = None
     ca_certificate = x509.load_pem_x509_certificate(fleet.ca.cert_path.read_bytes())
@@ -533,7 +535,7 @@ def test_a_mixed_workload_matches_the_model(fleet: Fleet, batches: list[list[Ope
 )
 def test_error_replies_keep_their_class_and_details(error: SlatesError) -> None:
     with pytest.raises(type(error)) as caught:
-        quic._decode_reply(quic._error_body(error))
+        quic_link.decode_reply(quic_link.error_body(error))
     assert type(caught.value) is type(error)
     assert (caught.value.message, caught.value.details) == (error.message, error.details)
 

@@ -137,6 +137,7 @@ class Anchor:
         capacity: int,
         allow_roots: tuple[str, ...] = (),
         agent_group: int | None = None,
+        fleet: str | None = None,
     ) -> None:
         if shards < 1:
             raise InvalidArgument("an anchor needs at least one shard", shards=shards)
@@ -157,6 +158,14 @@ class Anchor:
         # tokens, not their uids, say who they are.
         self.agent_group = agent_group
         self.agents = Agents(runtime.path)
+        # With a fleet configuration, the fleet link (slates.fleet.link) joins this host
+        # to the fleet; it is supervised like a shard.
+        if fleet is not None and not os.path.isfile(fleet):
+            raise InvalidArgument("the fleet configuration is not a file", fleet=fleet)
+        self.fleet = os.path.realpath(fleet) if fleet is not None else None
+        self.link: subprocess.Popen[bytes] | None = None
+        self.link_starts: deque[float] = deque()
+        self.link_failed = False
 
     def _open_to_agents(self, path: Path) -> None:
         if self.agent_group is None:
@@ -246,6 +255,7 @@ class Anchor:
             signal.signal(sig, self._on_signal)
         for slot in self.slots:
             self._start(slot)
+        self._start_link()
         self._publish()
         if self.on_ready is not None:
             self.on_ready()
@@ -278,6 +288,31 @@ class Anchor:
             self._start(slot)
             self._publish()
         self._reap_bridges()
+        if self.link is not None and self.link.poll() is not None:
+            _log(f"the fleet link (pid {self.link.pid}) exited with {self.link.returncode}")
+            self.link = None
+            self._start_link()
+
+    def _start_link(self) -> None:
+        """Start the fleet link (bounded restarts: one that keeps dying stays down, and this
+        host serves its own volumes without the fleet)."""
+        if self.fleet is None or self.stopping:
+            return
+        now = time.monotonic()
+        while self.link_starts and now - self.link_starts[0] > RESTART_WINDOW:
+            self.link_starts.popleft()
+        if len(self.link_starts) > MAX_RESTARTS:
+            if not self.link_failed:
+                _log("the fleet link keeps dying; this host goes on without the fleet")
+                self.link_failed = True
+            return
+        self.link_starts.append(now)
+        command = [
+            sys.executable, "-m", "slates.fleet.link",
+            "--config", self.fleet,
+            "--runtime-dir", str(self.runtime.path),
+        ]  # fmt: skip
+        self.link = subprocess.Popen(command)
 
     # -- mounts ---------------------------------------------------------------
 
@@ -360,8 +395,10 @@ class Anchor:
                 head, name = os.path.split(os.path.normpath(directory))
                 path = os.path.join(os.path.realpath(head), name)
                 mount = self.mounts.get(path)
-                if mount is not None and not principal.is_operator and (
-                    mount.principal != principal or mount.uid != uid
+                if (
+                    mount is not None
+                    and not principal.is_operator
+                    and (mount.principal != principal or mount.uid != uid)
                 ):
                     raise AccessDenied(
                         "that mount belongs to another principal",
@@ -586,6 +623,13 @@ class Anchor:
         if self.control is not None:
             self.control.close()
             self.runtime.anchor_socket.unlink(missing_ok=True)
+        if self.link is not None and self.link.poll() is None:
+            self.link.terminate()
+            try:
+                self.link.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.link.kill()
+                self.link.wait()
         for slot in self.slots:
             if slot.process is not None and slot.process.poll() is None:
                 slot.process.terminate()
@@ -674,13 +718,15 @@ def run_anchor(
     daemon: bool,
     allow_roots: tuple[str, ...] = (),
     agent_group: str | None = None,
+    fleet: str | None = None,
 ) -> int:
     """Prepare, then serve in the foreground, or detach and return once serving.
 
     `allow_roots`: where agents' bases and landing targets may lie; `agent_group`
-    (a group name or number): the group whose members may reach the sockets."""
+    (a group name or number): the group whose members may reach the sockets; `fleet`: a
+    fleet configuration file (slates.fleet.hostconfig) this host joins the fleet with."""
     group = None if agent_group is None else group_id(agent_group)
-    anchor = Anchor(runtime, shards, capacity, allow_roots, group)
+    anchor = Anchor(runtime, shards, capacity, allow_roots, group, fleet)
     anchor.prepare()
     if not daemon:
         return anchor.run()
