@@ -255,8 +255,8 @@ class Anchor:
             signal.signal(sig, self._on_signal)
         for slot in self.slots:
             self._start(slot)
-        self._start_link()
         self._publish()
+        self._start_link()  # after the state file: the link reads it to find the shards
         if self.on_ready is not None:
             self.on_ready()
         _log(f"anchor {os.getpid()} serving {len(self.slots)} shards in {self.runtime.path}")
@@ -624,9 +624,9 @@ class Anchor:
             self.control.close()
             self.runtime.anchor_socket.unlink(missing_ok=True)
         if self.link is not None and self.link.poll() is None:
-            self.link.terminate()
+            self.link.terminate()  # it revokes its lease and stops its serf agent first
             try:
-                self.link.wait(timeout=10)
+                self.link.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.link.kill()
                 self.link.wait()
