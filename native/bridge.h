@@ -36,6 +36,8 @@
 #define BRIDGE_STAT_ROUND_TRIPS 64 /* requests answered by the shard */
 #define BRIDGE_STAT_RECONNECTS 65  /* successful re-attachments after a hangup */
 #define BRIDGE_STAT_FAILED 66      /* requests given up with EIO (shard unreachable) */
+#define BRIDGE_STAT_CLEAN_READS 67 /* READs served from the base, without the shard */
+#define BRIDGE_STAT_CLEAN_MISSES 68 /* clean-file entries that failed their check */
 #define BRIDGE_COUNTERS 72
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
 
@@ -60,6 +62,11 @@ int bridge_request(const char *op, const uint8_t *args, uint32_t args_len, uint8
  * (the default); 0 makes the kernel ask for every lookup and stat (the
  * benchmarks' uncached latency).  Call before bridge_mount. */
 int bridge_set_cache_timeout(double seconds);
+
+/* The base directory's fd (taken over; -1: none) for serving READs of
+ * files whose content is wholly their base file's (bridge_clean.c).  Call
+ * before bridge_mount; -EBUSY after, -ENOTDIR for a non-directory. */
+int bridge_set_base(int dir_fd);
 
 /* Create the session and mount it on `mountpoint`. */
 int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback);
@@ -106,6 +113,11 @@ int bridge_test_absent_set(const uint64_t *ops, uint32_t n, uint64_t probe);
  * after an invalidation of another inode when `invalidate_between`; then
  * whether security.capability is known absent on `ino`. */
 int bridge_test_absent_since(uint64_t ino, int invalidate_between);
+
+/* Tests: teach `ino` as a clean file with the epoch read first, after an
+ * invalidation of another inode when `invalidate_between`; then whether
+ * it is known (1/0), or -errno. */
+int bridge_test_clean_since(uint64_t ino, int invalidate_between);
 
 /* Implemented in Python (cffi extern "Python+C"): say hello again and call
  * bridge_attach.  Returns 0 or -errno. */

@@ -10,6 +10,8 @@
  *                     and resend; the request counters.
  *   bridge_cache.c    what the bridge answers without asking the shard: the
  *                     xattr names known to be absent, per inode.
+ *   bridge_clean.c    READs of files whose content is wholly their base
+ *                     file's, served from the base directory.
  *   bridge_ops.c      the libfuse3 low-level callbacks, INIT's wishes
  *                     included: one kernel request in, at most one fs.*
  *                     round trip (a few for large reads and writes), one
@@ -21,7 +23,7 @@
  * bridge_wire.c and bridge_link.c, on one thread (the state below has no
  * locks for that reason).  The Python watcher thread calls only
  * bridge_notify_inval_*, which touch the session handle (libfuse's notify
- * calls are thread-safe) and bridge_cache.c (which locks).
+ * calls are thread-safe), bridge_cache.c and bridge_clean.c (which lock).
  */
 #ifndef SLATES_BRIDGE_INTERNAL_H
 #define SLATES_BRIDGE_INTERNAL_H
@@ -172,6 +174,22 @@ BRIDGE_INTERNAL void absent_add_since(uint64_t key, uint64_t epoch);
 BRIDGE_INTERNAL void absent_mark_inode(uint64_t ino, uint64_t epoch);
 /* Forget every probed name's absence for one inode (and start a new epoch). */
 BRIDGE_INTERNAL void absent_forget_inode(uint64_t ino);
+
+/* -- bridge_clean.c ----------------------------------------------------------- */
+
+/* Invalidation epoch of the clean-file table: read it before asking the
+ * shard; clean_note_attr then records nothing if an invalidation ran. */
+BRIDGE_INTERNAL uint64_t clean_epoch(void);
+/* Learn from an ATTR of `ino`: its "base" field records the inode as a
+ * clean base file; an ATTR without one drops what was known. */
+BRIDGE_INTERNAL void clean_note_attr(uint64_t ino, const msgpack_object *attr, uint64_t epoch);
+/* Forget one inode (the loop thread, before a request that may change it). */
+BRIDGE_INTERNAL void clean_drop(uint64_t ino);
+/* Forget one inode and start a new epoch (the shard invalidated it). */
+BRIDGE_INTERNAL void clean_invalidate(uint64_t ino);
+/* Serve a READ from the base: the byte count with *out pointing at them
+ * (valid until the next call), or -1 when the shard must answer. */
+BRIDGE_INTERNAL long clean_read(uint64_t ino, uint64_t off, size_t size, const char **out);
 
 /* -- bridge_ops.c ------------------------------------------------------------- */
 

@@ -10,6 +10,10 @@
  * fuse_reply_*.  Semantics live in the shard: the bridge adds only what the
  * kernel interface needs (negative entries for NotFound, entry and
  * attribute timeouts, readdirplus buffer packing, xattr size probes).
+ * READs of files the shard says are wholly their base file's are served
+ * from the base directory (bridge_clean.c): every ATTR teaches the clean
+ * table, and every request that may change an inode's content drops the
+ * inode from it before it is forwarded.
  *
  * Lookup references: every ENTRY the kernel receives is one reference the
  * shard counted; a readdirplus entry that does not fit the kernel's buffer
@@ -24,10 +28,22 @@
 #include <string.h>
 #include <sys/statvfs.h>
 
+/* The epochs of the bridge's two memories (bridge_cache.c, bridge_clean.c),
+ * read before a request is sent. */
+struct epochs {
+    uint64_t absent, clean;
+};
+
+static struct epochs epochs_now(void)
+{
+    struct epochs ep = {absent_epoch(), clean_epoch()};
+    return ep;
+}
+
 /* Answer an ENTRY reply.  `fresh`: the request made this inode (it has no
- * xattrs yet); `epoch`: absent_epoch() from before the request was sent. */
+ * xattrs yet); `ep`: epochs_now() from before the request was sent. */
 static void reply_entry_from(fuse_req_t req, const msgpack_object *res, int create,
-                             struct fuse_file_info *fi, int fresh, uint64_t epoch)
+                             struct fuse_file_info *fi, int fresh, struct epochs ep)
 {
     struct fuse_entry_param e;
     memset(&e, 0, sizeof e);
@@ -36,7 +52,8 @@ static void reply_entry_from(fuse_req_t req, const msgpack_object *res, int crea
         return;
     }
     if (fresh || attr_has_no_xattrs(res))
-        absent_mark_inode(e.ino, epoch);
+        absent_mark_inode(e.ino, ep.absent);
+    clean_note_attr(e.ino, res, ep.clean);
     e.attr_timeout = g_bridge.cache_timeout;
     e.entry_timeout = g_bridge.cache_timeout;
     if (create) {
@@ -53,12 +70,12 @@ static void reply_entry_from(fuse_req_t req, const msgpack_object *res, int crea
 static void answer_entry(fuse_req_t req, int fresh)
 {
     const msgpack_object *res;
-    uint64_t epoch = absent_epoch();
+    struct epochs ep = epochs_now();
     int rc = link_call(&res);
     if (rc != 0)
         fuse_reply_err(req, rc);
     else
-        reply_entry_from(req, res, 0, NULL, fresh, epoch);
+        reply_entry_from(req, res, 0, NULL, fresh, ep);
 }
 
 static void answer_empty(fuse_req_t req)
@@ -124,7 +141,7 @@ static void op_destroy(void *userdata)
 static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
     const msgpack_object *res;
-    uint64_t epoch = absent_epoch();
+    struct epochs ep = epochs_now();
     enc_lookup(parent, name);
     int rc = link_call(&res);
     if (rc == ENOENT) {
@@ -140,14 +157,16 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
         fuse_reply_err(req, rc);
         return;
     }
-    reply_entry_from(req, res, 0, NULL, 0, epoch);
+    reply_entry_from(req, res, 0, NULL, 0, ep);
 }
 
 static void send_forgets(const struct fuse_forget_data *items, size_t n)
 {
     const msgpack_object *res;
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < n; i++) {
         absent_forget_inode(items[i].ino);
+        clean_drop(items[i].ino);
+    }
     /* Keep each message well inside the ring: ~20 bytes an item. */
     while (n > 0) {
         size_t batch = n > 4096 ? 4096 : n;
@@ -177,12 +196,14 @@ static void reply_attr(fuse_req_t req)
     const msgpack_object *res;
     struct stat st;
     fuse_ino_t node = 0;
-    uint64_t epoch = absent_epoch();
+    struct epochs ep = epochs_now();
     int rc = link_call(&res);
     if (rc == 0)
         rc = attr_from_node(res, &st, &node);
     if (rc == 0 && attr_has_no_xattrs(res))
-        absent_mark_inode(node, epoch);
+        absent_mark_inode(node, ep.absent);
+    if (rc == 0)
+        clean_note_attr(node, res, ep.clean);
     if (rc != 0)
         fuse_reply_err(req, rc);
     else
@@ -200,6 +221,7 @@ static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to
                        struct fuse_file_info *fi)
 {
     (void)fi;
+    clean_drop(ino); /* a truncation changes the content; the reply teaches again */
     enc_setattr(ino, attr, to_set);
     reply_attr(req);
 }
@@ -281,14 +303,14 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
     const struct fuse_ctx *ctx = fuse_req_ctx(req);
     const msgpack_object *res;
     int exclusive = (fi->flags & O_EXCL) != 0;
-    uint64_t epoch = absent_epoch();
+    struct epochs ep = epochs_now();
     enc_create(parent, name, mode, ctx->uid, ctx->gid, exclusive);
     int rc = link_call(&res);
     /* Without O_EXCL the shard may answer with a file that already exists. */
     if (rc != 0)
         fuse_reply_err(req, rc);
     else
-        reply_entry_from(req, res, 1, fi, exclusive, epoch);
+        reply_entry_from(req, res, 1, fi, exclusive, ep);
 }
 
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -340,6 +362,12 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                     struct fuse_file_info *fi)
 {
     (void)fi;
+    const char *clean = NULL;
+    long served = clean_read(ino, (uint64_t)off, size, &clean);
+    if (served >= 0) {
+        fuse_reply_buf(req, clean, (size_t)served);
+        return;
+    }
     uint32_t chunk = io_chunk();
     if (size <= chunk) {
         const char *p = NULL;
@@ -379,6 +407,7 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
                      struct fuse_file_info *fi)
 {
     (void)fi;
+    clean_drop(ino); /* before the shard sees the write */
     uint32_t chunk = io_chunk();
     size_t done = 0;
     int err = 0;
@@ -421,7 +450,7 @@ static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
 static void do_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, int plus)
 {
     const msgpack_object *res;
-    uint64_t epoch = absent_epoch();
+    struct epochs ep = epochs_now();
     enc_readdir(ino, (uint64_t)off, plus, size);
     int rc = link_call(&res);
     if (rc == 0 && (res == NULL || res->type != MSGPACK_OBJECT_ARRAY))
@@ -467,7 +496,8 @@ static void do_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, i
                 e.attr_timeout = g_bridge.cache_timeout;
                 e.entry_timeout = g_bridge.cache_timeout;
                 if (attr_has_no_xattrs(attr))
-                    absent_mark_inode(e.ino, epoch);
+                    absent_mark_inode(e.ino, ep.absent);
+                clean_note_attr(e.ino, attr, ep.clean);
             } else {
                 e.attr.st_ino = (ino_t)ino_;
                 e.attr.st_mode = (mode_t)kind;
@@ -656,6 +686,7 @@ static void op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset,
                          struct fuse_file_info *fi)
 {
     (void)fi;
+    clean_drop(ino);
     enc_fallocate(ino, mode, (uint64_t)offset, (uint64_t)length);
     answer_empty(req);
 }
@@ -696,6 +727,7 @@ static void op_copy_file_range(fuse_req_t req, fuse_ino_t ino_in, off_t off_in,
     }
     const msgpack_object *res;
     int64_t copied;
+    clean_drop(ino_out);
     enc_copy_file_range(ino_in, (uint64_t)off_in, ino_out, (uint64_t)off_out, len);
     int rc = link_call(&res);
     if (rc == 0 && (!result_count(res, "copied", &copied) || copied < 0))

@@ -17,7 +17,7 @@
  * runs (libfuse's notify calls are safe from another thread): the shard
  * tells the bridge what another client changed, and the kernel forgets its
  * cached attributes, pages and names for it (and bridge_cache.c its
- * absent xattrs).
+ * absent xattrs, bridge_clean.c its clean-base-file entry).
  */
 #include "bridge_internal.h"
 
@@ -127,6 +127,7 @@ int bridge_notify_inval_inode(uint64_t ino)
     if (g_bridge.se == NULL)
         return -ENOTCONN;
     absent_forget_inode(ino); /* another client may have set one of them */
+    clean_invalidate(ino); /* another client may have changed its content */
     int rc = fuse_lowlevel_notify_inval_inode(g_bridge.se, (fuse_ino_t)ino, 0, 0);
     return rc == -ENOENT ? 0 : rc;
 }

@@ -61,6 +61,7 @@ static const struct {
     {"GrantInvalid", EACCES},
     {"LandingConflict", EBUSY},
     {"RequestExpired", ESTALE},
+    {"Unavailable", EAGAIN},
 };
 
 int errno_for(const char *code, size_t len)

@@ -60,6 +60,7 @@ SOURCES = (
     "bridge_wire.c",
     "bridge_link.c",
     "bridge_cache.c",
+    "bridge_clean.c",
     "bridge_ops.c",
     "bridge_session.c",
 )
@@ -95,6 +96,8 @@ ffibuilder.cdef(
     #define BRIDGE_STAT_ROUND_TRIPS ...
     #define BRIDGE_STAT_RECONNECTS ...
     #define BRIDGE_STAT_FAILED ...
+    #define BRIDGE_STAT_CLEAN_READS ...
+    #define BRIDGE_STAT_CLEAN_MISSES ...
     #define BRIDGE_RECONNECT_SECONDS ...
     #define BRIDGE_MAX_IO ...
 
@@ -105,6 +108,7 @@ ffibuilder.cdef(
     int bridge_request(const char *op, const uint8_t *args, uint32_t args_len, uint8_t *out,
                        uint32_t cap);
     int bridge_set_cache_timeout(double seconds);
+    int bridge_set_base(int dir_fd);
     int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback);
     int bridge_run(int ready_fd);
     void bridge_exit(void);
@@ -121,6 +125,7 @@ ffibuilder.cdef(
     int bridge_test_decode_attr(const uint8_t *msg, uint32_t len, int64_t *out);
     int bridge_test_absent_set(const uint64_t *ops, uint32_t n, uint64_t probe);
     int bridge_test_absent_since(uint64_t ino, int invalidate_between);
+    int bridge_test_clean_since(uint64_t ino, int invalidate_between);
 
     extern "Python+C" int bridge_reconnect_cb(void);
     """

@@ -1616,6 +1616,25 @@ class Volume:
             raise InvalidArgument("whence is data or hole", whence=whence)
         return min(max(cursor, offset), body.size)
 
+    def base_content(self, ino: int) -> tuple[str, Fingerprint] | None:
+        """(base path, pinned fingerprint) when every byte of `ino` is its base file's, unchanged.
+
+        That is a regular file of a volume with a base whose extents are one
+        base span over the whole pinned size (no private pages, chunks or
+        holes, not truncated or extended); anything else is None.  Such a
+        file's `read` is exactly a read of the base file checked against the
+        fingerprint, which is what lets a mount bridge serve it itself.
+        """
+        inode = self.root.inodes.get(ino)
+        if self.base is None or inode is None or not isinstance(inode.body, FileBody):
+            return None
+        body = inode.body
+        if body.base_path is None or body.fingerprint is None or body.size == 0:
+            return None
+        if body.size != body.fingerprint.size or body.extents != (BaseSpan(0, body.size, 0),):
+            return None
+        return body.base_path, body.fingerprint
+
     def dir_info(self, ino: int) -> DirInfo:
         body = self._dir_body(ino)
         return DirInfo(body.base_path, tuple(sorted(body.whiteouts)))

@@ -47,8 +47,18 @@ operations, asynchronous reads and a deeper background queue
 (max_background 64); the loop stays one thread, because the ring link
 keeps one request in flight and the shard applies a volume's requests in
 order (native/bridge_session.c).
-A counter per FUSE opcode (plus round trips, reconnects and failures)
-lives in C; with --counters FILE it is a shared file mapping that
+READs of files whose content is wholly their base file's (no private
+extents, not truncated) never reach the shard: the shard's ATTRs name such
+a file's base path and fingerprint, and C reads it beneath the base
+directory, checking the fingerprint as the shard's base reader does
+(native/bridge_clean.c); any doubt asks the shard, so BaseDrift stays the
+shard's.  The base directory comes from `fs.base` at start-up: this
+process anchors that path itself (slates.base.beneath.Anchored: no FUSE,
+no symlink swapped in later) and uses it only if its (st_dev, st_ino) is
+the one the shard anchored; otherwise, or when it cannot open it (an
+agent's bridge runs as the agent), every READ asks the shard as before.
+A counter per FUSE opcode (plus round trips, reconnects, failures and
+READs served from the base) lives in C; with --counters FILE it is a shared file mapping that
 `read_counters` reads from any process.
 
 On unmount the bridge sends fs.destroy, so the shard drops every lookup
@@ -88,6 +98,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from slates._native import ffi, lib
+from slates.base.beneath import Anchored
 from slates.errors import (
     AccessDenied,
     InvalidArgument,
@@ -192,6 +203,8 @@ STATS: dict[int, str] = {
     lib.BRIDGE_STAT_ROUND_TRIPS: "round_trips",
     lib.BRIDGE_STAT_RECONNECTS: "reconnects",
     lib.BRIDGE_STAT_FAILED: "failed",
+    lib.BRIDGE_STAT_CLEAN_READS: "clean_reads",
+    lib.BRIDGE_STAT_CLEAN_MISSES: "clean_misses",
 }
 
 
@@ -446,6 +459,37 @@ class Bridge:
                     file=sys.stderr,
                 )
 
+    def use_base(self) -> bool:
+        """Hand C the volume's base directory for clean reads; False when there is none
+        to use (no base, a shard without `fs.base`, not ours to open, not the same one).
+
+        Call before `mount`.  The path comes from the shard, but only the directory
+        the shard itself anchored is accepted: same (st_dev, st_ino).
+        """
+        try:
+            info = self.request("fs.base")
+        except SlatesError:
+            return False  # an older shard, or an agent not allowed to ask
+        if not isinstance(info, dict) or not info:
+            return False
+        root, dev, ino = info.get("root"), info.get("dev"), info.get("ino")
+        if not isinstance(root, bytes) or not isinstance(dev, int) or not isinstance(ino, int):
+            raise VerificationFailed("malformed fs.base reply")
+        try:
+            anchor = Anchored(os.fsdecode(root), what="base")
+        except (OSError, SlatesError):
+            return False
+        try:
+            if anchor.identity != (dev, ino):
+                return False
+            fd = os.dup(anchor.fd)
+        finally:
+            anchor.close()
+        rc = lib.bridge_set_base(fd)  # C owns fd now, whatever it answers
+        if rc < 0:
+            raise SlatesError("cannot use the base directory", reason=os.strerror(-rc))
+        return True
+
     def request(self, op: str, **args: Any) -> Any:
         """One request through the C path (the probe, and tests); raises the reply's error."""
         payload = pack({"volume": self.volume, **args})
@@ -555,6 +599,7 @@ def run_bridge(
         root = bridge.request("fs.getattr", ino=1)
         if not isinstance(root, dict) or not stat.S_ISDIR(int(root.get("mode", 0))):
             raise VerificationFailed("the volume's root is not a directory", volume=volume)
+        bridge.use_base()
         with bridge:
             bridge.mount(
                 where, allow_other=allow_other, auto_unmount=auto_unmount, writeback=writeback

@@ -8,6 +8,15 @@ client's.  Every reply that hands the kernel an entry also takes one
 lookup reference (a Retain record): the kernel may hold an unlinked file
 open through it, and the volume keeps the inode until fs.forget drops the
 last one.  No I/O here besides the volume's own base reads.
+
+Clean base files: an ATTR this module answers for a regular file whose
+bytes are all its base file's, unchanged (Volume.base_content), carries
+`"base": [path (bin), dev, ino, size, mtime_ns]`, the base-relative path
+and the fingerprint the volume pinned; `fs.base` names the base directory
+(`{"root", "dev", "ino"}`, or `{}` without one).  With both, a bridge may
+answer READs of that inode from the base itself, checking the open file
+against the fingerprint exactly as the volume's reader does, and asks
+here again on any doubt (native/bridge_clean.c).
 """
 
 from __future__ import annotations
@@ -22,7 +31,15 @@ from slates.core.records import Attr, Kind
 from slates.core.volume import MAX_FILE_SIZE, Volume
 from slates.errors import AlreadyExists, InvalidArgument, IsADirectory, NotFound
 
-__all__ = ["run_fs_op", "attr_map", "entry_size", "cookie_of", "MODE_BITS"]
+__all__ = [
+    "run_fs_op",
+    "attr_map",
+    "attr_reply",
+    "base_root",
+    "entry_size",
+    "cookie_of",
+    "MODE_BITS",
+]
 
 MODE_BITS = {
     Kind.FILE: stat.S_IFREG,
@@ -59,6 +76,32 @@ def attr_map(attr: Attr) -> dict[str, int]:
     }
 
 
+def attr_reply(volume: Volume, attr: Attr) -> dict[str, Any]:
+    """An ATTR for the bridge: attr_map, plus "base" when the content is the base file's."""
+    out: dict[str, Any] = attr_map(attr)
+    clean = volume.base_content(attr.ino) if attr.kind == Kind.FILE else None
+    if clean is not None:
+        path, fp = clean
+        out["base"] = [
+            path.encode("utf-8", "surrogateescape"),
+            fp.device,
+            fp.inode,
+            fp.size,
+            fp.mtime_ns,
+        ]
+    return out
+
+
+def base_root(volume: Volume) -> dict[str, Any]:
+    """The volume's base directory (path and identity), or {} when it has none."""
+    root = getattr(volume.base, "root", None)
+    identity = getattr(volume.base, "identity", None)
+    if not isinstance(root, str) or not isinstance(identity, tuple) or len(identity) != 2:
+        return {}
+    dev, ino = identity
+    return {"root": root.encode("utf-8", "surrogateescape"), "dev": dev, "ino": ino}
+
+
 def entry_size(name: str, plus: bool) -> int:
     """Bytes a directory entry takes in the kernel's buffer (fuse_dirent[plus])."""
     size = (24 + len(name.encode("utf-8", "surrogateescape")) + 7) & ~7
@@ -91,9 +134,9 @@ def _name(args: dict[str, Any], key: str = "name") -> str:
     return value
 
 
-def _entry(volume: Volume, attr: Attr) -> dict[str, int]:
+def _entry(volume: Volume, attr: Attr) -> dict[str, Any]:
     volume.retain(attr.ino)
-    return attr_map(attr)
+    return attr_reply(volume, attr)
 
 
 def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
@@ -118,7 +161,9 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
                 volume.forget(ino, volume.handles(ino))
             return {}
         case "fs.getattr":
-            return attr_map(volume.getattr(_int(args, "ino")))
+            return attr_reply(volume, volume.getattr(_int(args, "ino")))
+        case "fs.base":
+            return base_root(volume)
         case "fs.setattr":
             return _setattr(volume, args, now)
         case "fs.readlink":
@@ -225,7 +270,7 @@ def _seek_whence(args: dict[str, Any]) -> str:
     raise InvalidArgument("lseek supports SEEK_DATA and SEEK_HOLE here", whence=whence)
 
 
-def _setattr(volume: Volume, args: dict[str, Any], now: int) -> dict[str, int]:
+def _setattr(volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
     ino = _int(args, "ino")
     size = _opt(args, "size")
     if size is not None:
@@ -239,11 +284,11 @@ def _setattr(volume: Volume, args: dict[str, Any], now: int) -> dict[str, int]:
         "mtime_ns": _opt(args, "mtime_ns"),
     }
     if any(value is not None for value in changes.values()):
-        return attr_map(volume.setattr(ino, time_ns=now, **changes))
-    return attr_map(volume.getattr(ino))
+        return attr_reply(volume, volume.setattr(ino, time_ns=now, **changes))
+    return attr_reply(volume, volume.getattr(ino))
 
 
-def _mknod(volume: Volume, args: dict[str, Any], now: int) -> dict[str, int]:
+def _mknod(volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
     mode = _int(args, "mode")
     kind = _KINDS.get(stat.S_IFMT(mode))
     parent, name, uid, gid = _int(args, "parent"), _name(args), _int(args, "uid"), _int(args, "gid")
@@ -260,7 +305,7 @@ def _mknod(volume: Volume, args: dict[str, Any], now: int) -> dict[str, int]:
     return _entry(volume, attr)
 
 
-def _create(volume: Volume, args: dict[str, Any], now: int) -> dict[str, int]:
+def _create(volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
     parent, name = _int(args, "parent"), _name(args)
     try:
         attr = volume.create(
@@ -319,7 +364,7 @@ def _readdir(volume: Volume, args: dict[str, Any]) -> list[list[Any]]:
         if cost > budget:
             break
         budget -= cost
-        attr: dict[str, int] | None = None
+        attr: dict[str, Any] | None = None
         if plus and name not in (".", ".."):
             try:
                 attr = _entry(volume, volume.lookup(ino, name))
