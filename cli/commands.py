@@ -6,6 +6,13 @@ runtime directory (`--runtime-dir`, else the SDK's default:
 $SLATES_RUNTIME_DIR, /run/slates for root, ...), makes its calls, closes
 the client and prints what came back: rich tables for people, or the SDK's
 own data as JSON with `--json`.  No command computes figures of its own.
+The client acts as $SLATES_TOKEN's agent when it is set (mount and
+unmount too), else as the operator.
+
+Start-up: a command is a fresh process, so it loads only what it uses.
+The Client talks over plain sockets without rings (slates.sdk.blocking: no
+trio, no ring extension), json loads only for `--json`, and rich only
+where a table or a spinner is shown (tests/test_cli_startup.py checks it).
 
 Errors: a slates.errors.SlatesError ends the command through main.py's
 `_fail` (`error: <code>: <message>` on stderr; exit 2 for the caller's
@@ -46,7 +53,6 @@ reads its base, or while `green create --base` captures it), never in
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -137,11 +143,15 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 
 @contextlib.contextmanager
 def _client(runtime_dir: str | None) -> Iterator[Client]:
-    """One Client for this command; a SlatesError anywhere inside ends the command."""
+    """One Client for this command; a SlatesError anywhere inside ends the command.
+
+    Without rings: a command makes a few requests and exits, and a ring pair
+    (shared memory set up by the shard, a spin calibrated here) costs more
+    than it saves for so few."""
     from slates.sdk import Client
 
     try:
-        with Client(runtime_dir) as client:
+        with Client(runtime_dir, rings=False) as client:
             yield client
     except SlatesError as error:
         _fail(error)
@@ -155,6 +165,8 @@ def _json_bytes(value: object) -> str:
 
 
 def _echo_json(data: Any) -> None:
+    import json
+
     click.echo(json.dumps(data, indent=2, default=_json_bytes))
 
 
@@ -214,6 +226,20 @@ def _facts(title: str | Text, rows: list[tuple[str, str]]) -> Table:
     for what, value in rows:
         table.add_row(what, Text(value))
     return table
+
+
+def _print(renderable: Table) -> None:
+    """A table on stdout (rich loads here: only output for people needs it)."""
+    from rich.console import Console
+
+    Console().print(renderable)
+
+
+def _spinner(what: str) -> contextlib.AbstractContextManager[object]:
+    """Progress on stderr while `what` runs (never in --json mode)."""
+    from rich.console import Console
+
+    return Console(stderr=True).status(what)
 
 
 def _role(info: dict[str, Any]) -> list[tuple[str, str]]:
@@ -289,15 +315,15 @@ def _volume_table(volumes: list[dict[str, Any]]) -> Table:
 @json_option
 def status(runtime_dir: str | None, as_json: bool) -> None:
     """The service: anchor, shards and their volumes, mounts."""
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
     with _client(runtime_dir) as client:
         report: dict[str, Any] = client.status()
     if as_json:
         _echo_json(report)
         return
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     console = Console()
     console.print(
         _facts(
@@ -385,8 +411,6 @@ def volume_create(
     as_json: bool,
 ) -> None:
     """Create volume NAME: empty, over a base directory, or from a snapshot."""
-    from rich.console import Console
-
     try:
         bounded_bytes, dynamic_bytes = parse_quota(bounded, dynamic)
         if base is not None and from_snapshot is not None:
@@ -398,7 +422,7 @@ def volume_create(
     with _client(runtime_dir) as client:
         spinner: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if capture and not as_json:
-            spinner = Console(stderr=True).status(f"capturing {base} ...")
+            spinner = _spinner(f"capturing {base} ...")
         with spinner:
             info: dict[str, Any] = client.create_volume(
                 name,
@@ -412,7 +436,7 @@ def volume_create(
     if as_json:
         _echo_json(info)
     else:
-        Console().print(_volume_facts(f"Created volume {info['id']}", info))
+        _print(_volume_facts(f"Created volume {info['id']}", info))
 
 
 @volume.command("list")
@@ -420,14 +444,12 @@ def volume_create(
 @json_option
 def volume_list(runtime_dir: str | None, as_json: bool) -> None:
     """Every volume on this host, with its quota and counters."""
-    from rich.console import Console
-
     with _client(runtime_dir) as client:
         volumes: list[dict[str, Any]] = _with_mounts(client, client.list_volumes())
     if as_json:
         _echo_json(volumes)
     else:
-        Console().print(_volume_table(volumes))
+        _print(_volume_table(volumes))
 
 
 def _with_mounts(client: Client, volumes: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -442,14 +464,12 @@ def _with_mounts(client: Client, volumes: list[dict[str, Any]]) -> list[dict[str
 @json_option
 def volume_show(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None:
     """One volume (by id or unique name): quota and counters."""
-    from rich.console import Console
-
     with _client(runtime_dir) as client:
         info: dict[str, Any] = client.show_volume(client.resolve(volume_ref))
     if as_json:
         _echo_json(info)
     else:
-        Console().print(_volume_facts(f"Volume {info['id']}", info))
+        _print(_volume_facts(f"Volume {info['id']}", info))
 
 
 @volume.command("delete")
@@ -553,8 +573,6 @@ def clone(
     as_json: bool,
 ) -> None:
     """Create volume NAME from SNAPSHOT (sharing its content, copy on write)."""
-    from rich.console import Console
-
     try:
         bounded_bytes, dynamic_bytes = parse_quota(bounded, dynamic)
     except SlatesError as error:
@@ -566,7 +584,7 @@ def clone(
     if as_json:
         _echo_json(info)
     else:
-        Console().print(_volume_facts(f"Cloned {snapshot_id} as volume {info['id']}", info))
+        _print(_volume_facts(f"Cloned {snapshot_id} as volume {info['id']}", info))
 
 
 # -- files -------------------------------------------------------------------
@@ -623,16 +641,16 @@ def write(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) ->
 @json_option
 def ls(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) -> None:
     """List the directory PATH (default /) of VOLUME."""
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
     with _client(runtime_dir) as client:
         vid = client.resolve(volume_ref)
         entries: list[dict[str, Any]] = client.list(vid, _path(path))
     if as_json:
         _echo_json(entries)
         return
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=f"{vid}:{_path(path)}", title_justify="left")
     table.add_column("name", overflow="fold")
     table.add_column("kind")
@@ -657,13 +675,26 @@ def ls(volume_ref: str, path: str, runtime_dir: str | None, as_json: bool) -> No
     help="Kernel writeback cache (default off): fewer write requests, but only for volumes "
     "that no other client changes.",
 )
+@click.option(
+    "--allow-other",
+    is_flag=True,
+    help="Let other users' processes enter the mount (each file's permissions still apply).",
+)
 def mount(
-    volume_ref: str, directory: str, runtime_dir: str | None, as_json: bool, writeback: bool
+    volume_ref: str,
+    directory: str,
+    runtime_dir: str | None,
+    as_json: bool,
+    writeback: bool,
+    allow_other: bool,
 ) -> None:
-    """Serve VOLUME at DIRECTORY (empty, yours); returns once it serves."""
+    """Serve VOLUME at DIRECTORY (empty, yours); returns once it serves.
+
+    With $SLATES_TOKEN set, the mount is the agent's: it sees and changes
+    what that agent may."""
     with _client(runtime_dir) as client:
         vid = client.resolve(volume_ref)
-        result = client.mount(vid, directory, writeback=writeback)
+        result = client.mount(vid, directory, writeback=writeback, allow_other=allow_other)
     if as_json:
         _echo_json(result)
     else:
@@ -722,8 +753,6 @@ def green() -> None:
 @json_option
 def green_list(runtime_dir: str | None, as_json: bool) -> None:
     """The green volumes: head version, work volumes on them, where they are mounted."""
-    from rich.console import Console
-
     with _client(runtime_dir) as client:
         volumes = _with_mounts(client, client.list_volumes())
     greens = [v for v in volumes if v.get("role") == "green"]
@@ -732,7 +761,7 @@ def green_list(runtime_dir: str | None, as_json: bool) -> None:
     if as_json:
         _echo_json(greens)
     else:
-        Console().print(_volume_table(greens))
+        _print(_volume_table(greens))
 
 
 @green.command("create")
@@ -790,8 +819,6 @@ def green_create(
     file rewritten whole (an editor's save, sed -i, open(p, "w")) is
     submitted as the edits that remain, so it merges like precise edits.
     """
-    from rich.console import Console
-
     try:
         bounded_bytes, dynamic_bytes = parse_quota(bounded, dynamic)
     except SlatesError as error:
@@ -799,7 +826,7 @@ def green_create(
     with _client(runtime_dir) as client:
         spinner: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if base is not None and not as_json:
-            spinner = Console(stderr=True).status(f"capturing {base} ...")
+            spinner = _spinner(f"capturing {base} ...")
         with spinner:
             gid = client.create_green(
                 name,
@@ -816,7 +843,7 @@ def green_create(
     if as_json:
         _echo_json(info)
     else:
-        Console().print(_volume_facts(f"Created green volume {gid}", info))
+        _print(_volume_facts(f"Created green volume {gid}", info))
 
 
 @click.group()
@@ -840,8 +867,6 @@ def work_create(
     green_ref: str, name: str, version: int | None, runtime_dir: str | None, as_json: bool
 ) -> None:
     """Create work volume NAME on a version of GREEN (by id or unique name); nothing is copied."""
-    from rich.console import Console
-
     with _client(runtime_dir) as client:
         info: dict[str, Any] = client.create_work(
             client.resolve(green_ref, "green"), name, version=version
@@ -849,7 +874,7 @@ def work_create(
     if as_json:
         _echo_json(info)
     else:
-        Console().print(_volume_facts(f"Created work volume {info['id']}", info))
+        _print(_volume_facts(f"Created work volume {info['id']}", info))
 
 
 @click.command()
@@ -937,15 +962,15 @@ def rebase(work_ref: str, runtime_dir: str | None, as_json: bool) -> None:
 @json_option
 def versions(green_ref: str, limit: int, runtime_dir: str | None, as_json: bool) -> None:
     """The versions of GREEN (by id or unique name): base, work volume, changed paths."""
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
     with _client(runtime_dir) as client:
         ledger: dict[str, Any] = client.ledger(client.resolve(green_ref, "green"), limit=limit)
     if as_json:
         _echo_json(ledger)
         return
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(
         title=Text(f"Versions of {ledger['green']} (head {ledger['head']})"), title_justify="left"
     )

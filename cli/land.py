@@ -26,11 +26,8 @@ that overlap, which stay conflicts to resolve.  Thin over the SDK
 
 from __future__ import annotations
 
-import difflib
 import os
-import secrets
 import sys
-import termios
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -195,6 +192,8 @@ def _diff(path: str, disk: bytes | None, proposed: bytes | None) -> str:
         old_text, new_text = old.decode(), new.decode()
     except UnicodeDecodeError:
         return f"{path}: binary, {len(old):,} B -> {len(new):,} B (not shown)\n"
+    import difflib
+
     lines = difflib.unified_diff(
         old_text.splitlines(keepends=True),
         new_text.splitlines(keepends=True),
@@ -300,6 +299,8 @@ def _confirm_on_terminal(manifest: str, target: str, conflicts: int = 0, special
         tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         raise AccessDenied("approval needs a person at a terminal (no /dev/tty)") from None
+    import termios
+
     expected = manifest.rsplit("-", 1)[-1][:8]
     try:
         termios.tcflush(tty, termios.TCIFLUSH)  # nothing typed ahead counts
@@ -374,9 +375,11 @@ def land_approve(
     manifest: str, credential_file: str | None, runtime_dir: str | None, as_json: bool
 ) -> None:
     """Show MANIFEST, confirm at the terminal, and land it (the only way a grant is made)."""
+    import secrets
+
     from rich.console import Console
 
-    from slates.node.service import shard_of
+    from slates.node.protocol import shard_of
 
     with _client(runtime_dir) as client:
         plan = client.land_show(manifest)

@@ -20,7 +20,6 @@ stdin/stdout.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -270,6 +269,8 @@ def main() -> None:
 )
 def demo(as_json: bool, keep: str | None, workspace: bool) -> None:
     """Walk through volumes, clones, capacity and sealing on a generated sample project."""
+    import json
+
     from rich.console import Console
 
     from .demo import run_demo
@@ -367,12 +368,19 @@ def print_workspace_demo(observed: dict[str, Any], console: Console) -> None:
     multiple=True,
     help="Agents (slates agent add) may name bases and landing targets under DIR (repeatable).",
 )
+@click.option(
+    "--agent-group",
+    metavar="GROUP",
+    default=None,
+    help="A group (name or number) whose members, the agents' users, may reach the service.",
+)
 def anchor(
     runtime_dir: str | None,
     shards: int | None,
     capacity: str,
     daemon: bool,
     allow_roots: tuple[str, ...],
+    agent_group: str | None,
 ) -> None:
     """Start the service: shared memory, shards, supervision.
 
@@ -388,6 +396,7 @@ def anchor(
             parse_size(capacity),
             daemon=daemon,
             allow_roots=allow_roots,
+            agent_group=agent_group,
         )
     except SlatesError as exc:
         _fail(exc)

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    # The SDK (and trio with it) loads on first use, so processes that need
-    # neither, the mount bridge above all, start quickly.
+    # The SDK loads on first use, so processes that need none of it, the mount
+    # bridge above all, start quickly; trio loads only with an opened AsyncClient.
     if name in ("AsyncClient", "Client"):
         from slates import sdk
 

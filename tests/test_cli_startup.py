@@ -1,24 +1,55 @@
-"""The `slates` command starts without loading what only some commands need.
+"""The `slates` command starts without loading what only some commands need, and still works.
 
 Theory of operation: the CLI imports click and its own command modules at
-start; rich, trio, the SDK, msgpack, pygit2 and the core load inside the
+start; rich, the SDK, msgpack, pygit2 and the core load inside the
 commands that use them (cli/main.py, cli/commands.py, cli/land.py), so
 `slates --help` and usage errors answer in the time Python and click take.
-Each test runs the CLI in a fresh interpreter (a module, once imported,
-stays imported) and asks that interpreter which heavy modules it loaded.
-No timing is asserted: `hyperfine -N 'slates --help'` measures it
-(bench/RESULTS.md).
+Commands that talk to the service use the blocking SDK client, which runs
+the SDK's one implementation of each rule over plain sockets (slates.sdk.
+blocking): trio, the ring extension and the shard's own modules never load
+for them.  Each check runs the CLI in a fresh interpreter (a module, once
+imported, stays imported) with the command's real arguments, exit code and
+output, and asks that interpreter which heavy modules it loaded.  The
+probe is not blind: each check also names a module the command must have
+loaded.  No timing is asserted: hyperfine measures it (bench/RESULTS.md).
+
+The mount flags (issue 12) are checked on real mounts: `--allow-other`
+reaches the kernel's mount options, and mount and unmount carry the
+agent's $SLATES_TOKEN (an agent unmounts its own mount, another agent
+cannot).  `slates anchor --agent-group` is checked on a real anchor.
+The pieces both SDK transports share (slates.sdk.session: request
+identity, the reconnect bound, the hello) are checked as pure functions,
+and the blocking client with rings on a real service.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import types
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-HEAVY = (
+from slates.errors import NotFound, SlatesError, VerificationFailed
+from slates.node.anchor import spawn_anchor, stop_process
+from slates.node.protocol import error_reply, ok_reply, pack, unpack
+from slates.sdk import Client
+from slates.sdk.client import _run_to_end
+from slates.sdk.session import RECONNECT_SECONDS, RETRY_MOST, Reconnect, ShardSession
+from tests.anchor_fixture import Service, service
+
+__all__ = ["service"]  # the fixture, re-exported for pytest
+
+SLATES = str(Path(sys.executable).with_name("slates"))
+
+NEVER_FOR_HELP = (
     "trio",
     "rich",
     "msgpack",
@@ -26,29 +57,69 @@ HEAVY = (
     "blake3",
     "slates.sdk",
     "slates.core",
+    "slates.node.runtime",
     "slates.node.service",
+    "slates.node.ring",
     "slates.base",
 )
+NEVER_FOR_A_REQUEST = (
+    "trio",
+    "pygit2",
+    "slates.core",
+    "slates.base",
+    "slates.merge",
+    "slates.node.service",
+    "slates.node.ring",
+    "slates._native",
+    "slates.sdk.connection",
+)
+WATCHED = sorted({*NEVER_FOR_HELP, *NEVER_FOR_A_REQUEST, "slates.sdk.blocking"})
 
 _PROBE = """
-import json, sys
+import sys
 from slates_cli.main import main
+code = 0
 try:
-    main(args=sys.argv[1:], prog_name="slates", standalone_mode=False)
-except SystemExit:
-    pass
-heavy = [name for name in {heavy!r} if name in sys.modules]
-print("\\n" + json.dumps(heavy))
+    main(args=sys.argv[1:], prog_name="slates")
+except SystemExit as done:
+    code = done.code
+loaded = [name for name in {watched!r} if name in sys.modules]
+with open({report!r}, "w") as report:
+    report.write("\\n".join(loaded))
+sys.exit(code)
 """
 
 
-def _heavy_loaded(*args: str) -> list[str]:
-    probe = _PROBE.format(heavy=HEAVY)
-    out = subprocess.run(
-        [sys.executable, "-c", probe, *args], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
-    loaded: list[str] = json.loads(out.rstrip().rsplit("\n", 1)[-1])
-    return loaded
+def _run(
+    tmp_path: Path, *args: str, token: str | None = None
+) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """Run `slates ARGS` in a fresh interpreter: the result, and the watched modules loaded."""
+    report = tmp_path / "loaded.txt"
+    env = {k: v for k, v in os.environ.items() if k != "SLATES_TOKEN"}
+    if token is not None:
+        env["SLATES_TOKEN"] = token
+    probe = _PROBE.format(watched=WATCHED, report=str(report))
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env, timeout=60
+    )
+    loaded = set(report.read_text().split())
+    report.unlink()
+    return done, loaded
+
+
+def _ok(done: subprocess.CompletedProcess[str]) -> Any:
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout) if done.stdout.lstrip().startswith(("{", "[")) else None
+
+
+def _mount_options(directory: Path) -> set[str]:
+    """The mount options and super options of the mount at `directory` (mountinfo)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == str(directory):
+            separator = fields.index("-")
+            return {*fields[5].split(","), *fields[separator + 3].split(",")}
+    raise AssertionError(f"nothing is mounted at {directory}")
 
 
 @pytest.mark.parametrize(
@@ -57,16 +128,208 @@ def _heavy_loaded(*args: str) -> list[str]:
         ("--help",),
         ("status", "--help"),
         ("volume", "create", "--help"),
+        ("mount", "--help"),
+        ("anchor", "--help"),
         ("land", "--help"),
         ("submit", "--help"),
+        ("volume", "create"),  # a usage error (no NAME): exit 2, nothing loaded
     ],
 )
-def test_help_loads_no_heavy_module(args: tuple[str, ...]) -> None:
-    assert _heavy_loaded(*args) == []
+def test_help_and_usage_errors_load_no_heavy_module(tmp_path: Path, args: tuple[str, ...]) -> None:
+    done, loaded = _run(tmp_path, *args)
+    assert done.returncode == (2 if args == ("volume", "create") else 0), done.stderr
+    assert loaded.isdisjoint(NEVER_FOR_HELP), sorted(loaded)
+    if args == ("--help",):
+        assert "volume" in done.stdout and "mount" in done.stdout
 
 
-def test_a_command_loads_what_it_needs() -> None:
-    # The probe is not blind: a command that does its work loads what it
-    # needs (the demo, which needs no service, runs the core).
-    loaded = _heavy_loaded("demo", "--json")
+def test_the_probe_sees_what_a_command_loads(tmp_path: Path) -> None:
+    # The demo needs no service and runs the core: the probe reports it.
+    done, loaded = _run(tmp_path, "demo", "--json")
+    assert done.returncode == 0, done.stderr
     assert "slates.core" in loaded
+
+
+def test_requests_run_without_trio_and_still_work(service: Service, tmp_path: Path) -> None:
+    runtime = ("--runtime-dir", str(service.runtime))
+    done, loaded = _run(tmp_path, "status", "--json", *runtime)
+    report = _ok(done)
+    assert [shard["shard"] for shard in report["shards"]] == [0, 1]
+    assert loaded.isdisjoint((*NEVER_FOR_A_REQUEST, "rich", "blake3")), sorted(loaded)
+    assert "slates.sdk.blocking" in loaded
+
+    done, loaded = _run(tmp_path, "volume", "create", "quick", "--json", *runtime)
+    created = _ok(done)
+    assert created["name"] == "quick"
+    assert loaded.isdisjoint((*NEVER_FOR_A_REQUEST, "rich")), sorted(loaded)
+    assert "blake3" in loaded  # a new volume's shard is its name's hash
+
+    directory = tmp_path / "mnt"
+    directory.mkdir()
+    done, loaded = _run(tmp_path, "mount", "quick", str(directory), "--json", *runtime)
+    mounted = _ok(done)
+    try:
+        assert mounted["volume"] == created["id"]
+        assert loaded.isdisjoint((*NEVER_FOR_A_REQUEST, "rich")), sorted(loaded)
+        (directory / "hello").write_bytes(b"through the mount")
+        done, loaded = _run(tmp_path, "volume", "list", "--json", *runtime)
+        listed = _ok(done)
+        assert [(v["name"], v["mounted_at"]) for v in listed] == [("quick", str(directory))]
+        assert loaded.isdisjoint((*NEVER_FOR_A_REQUEST, "rich", "blake3")), sorted(loaded)
+    finally:
+        done, loaded = _run(tmp_path, "unmount", str(directory), *runtime)
+    _ok(done)
+    assert loaded.isdisjoint((*NEVER_FOR_A_REQUEST, "rich")), sorted(loaded)
+    done, _ = _run(tmp_path, "read", "quick", "/hello", *runtime)
+    assert _ok(done) is None and done.stdout == "through the mount"
+
+    # Tables for people load rich, and still no trio.
+    done, loaded = _run(tmp_path, "status", *runtime)
+    _ok(done)
+    assert "Shards" in done.stdout and created["id"] in done.stdout
+    assert "rich" in loaded and loaded.isdisjoint(NEVER_FOR_A_REQUEST), sorted(loaded)
+
+
+def test_the_blocking_client_with_rings_needs_no_trio(service: Service, tmp_path: Path) -> None:
+    # Rings (the SDK's default), and a 3 MiB message, too large for a ring: it and its
+    # reply travel on the socket while the client waits on the reply ring.
+    script = f"""
+import os, sys
+from slates import Client
+big = os.urandom(3 << 20)
+with Client({str(service.runtime)!r}) as client:
+    vid = client.create_volume("rings")["id"]
+    client.write(vid, "/small", b"over the ring")
+    assert client.read(vid, "/small") == b"over the ring"
+    assert client.write(vid, "/big", big) == len(big)
+    assert client.read(vid, "/big") == big
+print(sorted(m for m in ("trio", "slates.sdk.connection", "slates.node.ring") if m in sys.modules))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["['slates.node.ring']"]
+
+
+def test_a_blocking_call_that_would_wait_on_an_event_loop_is_refused() -> None:
+    @types.coroutine
+    def suspends() -> Generator[None, None, None]:
+        yield  # what an await on trio does when it must wait
+
+    async def waits() -> int:
+        await suspends()
+        return 1
+
+    async def finishes() -> int:
+        return 2
+
+    assert _run_to_end(finishes()) == 2
+    with pytest.raises(VerificationFailed):
+        _run_to_end(waits())
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=30))
+def test_both_transports_share_one_request_identity(failures: list[bool]) -> None:
+    # The blocking and the trio transport both take sequence numbers, acks and reply
+    # checks from ShardSession: a reply to another request is refused, and an error
+    # reply (True) is raised as its named error and still counts as answered.
+    session = ShardSession("client-1", rings=False)
+    answered = 0
+    for seq, fails in enumerate(failures, 1):
+        outgoing = session.start("status", {"n": seq})
+        message = unpack(outgoing.message)
+        assert (message["seq"], message["ack"], message["args"]) == (seq, answered, {"n": seq})
+        with pytest.raises(VerificationFailed):
+            session.finish(outgoing, pack(ok_reply(seq + 1, None)))
+        if fails:
+            with pytest.raises(NotFound):
+                session.finish(outgoing, pack(error_reply(seq, NotFound("gone"))))
+        else:
+            assert session.finish(outgoing, pack(ok_reply(seq, {"n": seq}))) == {"n": seq}
+        answered = seq
+
+
+@given(st.lists(st.floats(0, 1.0), min_size=1, max_size=200))
+def test_reconnecting_is_bounded(gaps: list[float]) -> None:
+    reconnect = Reconnect(100.0, "/run/slates/shard-0.sock")
+    now = 100.0
+    for gap in gaps:
+        if now > 100.0 + RECONNECT_SECONDS:
+            with pytest.raises(SlatesError, match="did not answer"):
+                reconnect.after_failure(now)
+            return
+        delay = reconnect.after_failure(now)
+        assert 0 < delay <= RETRY_MOST
+        now += delay + gap
+
+
+def test_a_hello_answer_without_the_ring_pair_is_refused_and_closes_what_came() -> None:
+    session = ShardSession("client-1", rings=True, token="slates-alice-x")
+    assert unpack(session.hello()[4:]) == {
+        "client": "client-1",
+        "rings": True,
+        "token": "slates-alice-x",
+    }
+    read_end, write_end = os.pipe()
+    with pytest.raises(VerificationFailed):
+        session.accept_hello(pack({"ok": True}), [read_end])
+    with pytest.raises(OSError):
+        os.close(read_end)  # closed by the refusal: nothing leaks
+    os.close(write_end)
+
+
+def _add_agent(service: Service, name: str) -> str:
+    done = subprocess.run(
+        [SLATES, "agent", "add", name, "--runtime-dir", str(service.runtime)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def test_mount_flags_and_the_agents_token(service: Service, tmp_path: Path) -> None:
+    runtime = ("--runtime-dir", str(service.runtime))
+    alice, bob = _add_agent(service, "alice"), _add_agent(service, "bob")
+    with Client(service.runtime) as operator:
+        green = operator.create_green("main")
+    with Client(service.runtime, token=alice) as as_alice:
+        work = as_alice.create_work(green, "alice-work")["id"]
+    directory = tmp_path / "alice"
+    directory.mkdir()
+
+    done, _ = _run(
+        tmp_path, "mount", "alice-work", str(directory), "--allow-other", *runtime, token=alice
+    )
+    assert _ok(done) is None and work in done.stdout
+    try:
+        assert "allow_other" in _mount_options(directory)
+        # The mount is Alice's: Bob may not take it down, Alice may.
+        done, _ = _run(tmp_path, "unmount", str(directory), *runtime, token=bob)
+        assert done.returncode == 2 and "AccessDenied" in done.stderr, done.stderr
+    finally:
+        done, _ = _run(tmp_path, "unmount", str(directory), *runtime, token=alice)
+    _ok(done)
+
+    # Without the flag, the kernel keeps the mount to its owner.
+    done, _ = _run(tmp_path, "mount", work, str(directory), *runtime, token=alice)
+    _ok(done)
+    try:
+        assert "allow_other" not in _mount_options(directory)
+    finally:
+        done, _ = _run(tmp_path, "unmount", str(directory), *runtime, token=alice)
+    _ok(done)
+
+
+def test_anchor_takes_an_agent_group(tmp_path: Path) -> None:
+    runtime = tmp_path / "run"
+    group = os.getgid()
+    anchor = spawn_anchor(runtime, shards=1, capacity="64MiB", agent_group=str(group))
+    try:
+        st = runtime.stat()
+        assert (st.st_gid, st.st_mode & 0o777) == (group, 0o750)  # the group reaches it
+        done, _ = _run(tmp_path, "status", "--json", "--runtime-dir", str(runtime))
+        assert len(_ok(done)["shards"]) == 1
+    finally:
+        stop_process(anchor)

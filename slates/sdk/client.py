@@ -2,8 +2,8 @@
 
 Theory of operation: a client finds the local anchor through the runtime
 directory's state file and keeps one connection per shard, opened on first
-use (slates.sdk.connection: hello, ring pair, and a bounded reconnect that
-resends the same request, so a retry never runs an operation twice).
+use (hello, ring pair, and a bounded reconnect that resends the same
+request, so a retry never runs an operation twice: slates.sdk.session).
 
 Routing needs no lookup: a volume or snapshot id names its shard, and a
 new volume goes to the shard its name hashes to.  A volume *name* becomes
@@ -11,59 +11,51 @@ an id through `resolve` (the one rule of slates.sdk.names, shared by the
 CLI and the MCP server).  Errors come back as the named exceptions of
 slates.errors.
 
-`Client` is the blocking face: a private trio thread runs an AsyncClient,
-and each Client method (a `_Blocking` descriptor over the AsyncClient
-method of the same name) has that method's parameters and result type, so
-callers are type-checked through it too.
+One implementation, two transports.  Every rule of the SDK (routing,
+resolution, reads in bounded pieces, the attachment barrier, what each
+call sends) is written once, in AsyncClient, whose coroutines do I/O only
+by awaiting its transport (slates.sdk.transport.Transport) or each other.
+AsyncClient runs on trio's transport (slates.sdk.connection).  `Client` is
+the blocking face: the same AsyncClient over the blocking transport
+(slates.sdk.blocking), whose coroutines never suspend, so each Client
+method (a `_Blocking` descriptor over the AsyncClient method of the same
+name, with its parameters and result type) runs the coroutine to its end
+in one step on the caller's thread: no event loop, no thread, and trio is
+never imported.  Invariant: an AsyncClient coroutine awaits nothing but the
+transport and AsyncClient coroutines (a Client call that suspends is
+VerificationFailed).  Threads may share one Client: each shard connection
+takes one request at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import socket
-import threading
-import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
-import blake3
-import trio
-
 from slates.errors import (
     InvalidArgument,
     NotFound,
-    SlatesError,
     SnapshotBarrierFailed,
     VerificationFailed,
 )
-from slates.node.protocol import FrameReader, check_ok, frame, pack, unpack
+from slates.node.protocol import shard_of
 from slates.node.runtime import MountInfo, Runtime
-from slates.node.service import shard_of
-from slates.sdk.connection import RECONNECT_SECONDS, ShardConnection, send_all
 from slates.sdk.names import Role, check_reference, is_volume_id, pick_volume
+from slates.sdk.session import RECONNECT_SECONDS
+from slates.sdk.transport import Transport
 
 __all__ = ["AsyncClient", "Client", "RECONNECT_SECONDS"]
 
 READ_PIECE = 8 << 20  # the shard answers at most 16 MiB per read
 BARRIER_SECONDS = 60.0
-_LIBC = ctypes.CDLL(None, use_errno=True)
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
-
-
-def _syncfs(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        if _LIBC.syncfs(fd) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, os.strerror(error), directory)
-    finally:
-        os.close(fd)
 
 
 def _size(value: int | None, what: str) -> int | None:
@@ -95,17 +87,21 @@ class AsyncClient:
         """`token`: an agent's credential (`slates agent add`); default $SLATES_TOKEN,
         else none: the client acts as the operator (the anchor's own user)."""
         self.runtime = Runtime(runtime_dir)
-        self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Unique enough to keep clients apart; os.urandom spares the CLI importing uuid.
+        self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         self.rings = rings
         self.token = token if token is not None else os.environ.get("SLATES_TOKEN") or None
-        self._shards: list[ShardConnection] = []
+        self._transport: Transport | None = None  # Client sets the blocking one before opening
+        self._shard_count = 0
 
     async def __aenter__(self) -> AsyncClient:
         state = self.runtime.read_state()
-        self._shards = [
-            ShardConnection(shard.socket, self.client_id, self.rings, self.token)
-            for shard in state.shards
-        ]
+        if self._transport is None:
+            from slates.sdk.connection import TrioTransport
+
+            self._transport = TrioTransport(self.client_id, self.rings, self.token)
+        self._transport.open([shard.socket for shard in state.shards])
+        self._shard_count = len(state.shards)
         return self
 
     async def __aexit__(
@@ -118,31 +114,31 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         """Say goodbye (the shards forget this client's saved replies), then disconnect."""
-        for shard in self._shards:
-            if shard.sock is not None:
-                with contextlib.suppress(SlatesError, OSError, trio.TooSlowError):
-                    with trio.fail_after(5):
-                        await shard.request("bye", {})
-            shard.close()
+        if self._transport is not None:
+            await self._transport.close()
 
-    def _connection(self, index: int) -> ShardConnection:
-        if not self._shards:
+    def _opened(self) -> Transport:
+        if self._transport is None or not self._shard_count:
             raise InvalidArgument("the client is not open; use `async with AsyncClient()`")
-        if not 0 <= index < len(self._shards):
-            raise NotFound("the id names a shard this host does not have", shard=index)
-        return self._shards[index]
+        return self._transport
 
     async def call(self, /, shard: int, op: str, **args: Any) -> Any:
         """Send one request to a shard (the typed methods below wrap this)."""
-        return await self._connection(shard).request(op, args)
+        transport = self._opened()
+        if not 0 <= shard < self._shard_count:
+            raise NotFound("the id names a shard this host does not have", shard=shard)
+        return await transport.request(shard, op, args)
 
     async def _on(self, object_id: str, op: str, **args: Any) -> Any:
         return await self.call(shard_of(object_id), op, **args)
 
     def _home(self, name: str) -> int:
-        if not self._shards:
-            raise InvalidArgument("the client is not open; use `async with AsyncClient()`")
-        return int.from_bytes(blake3.blake3(name.encode()).digest()[:8], "big") % len(self._shards)
+        """The shard a new volume named `name` goes to (its name's BLAKE3 hash)."""
+        self._opened()
+        import blake3  # here: only creating a volume needs it
+
+        digest = blake3.blake3(name.encode()).digest()[:8]
+        return int.from_bytes(digest, "big") % self._shard_count
 
     async def resolve(self, ref: str, role: Role | None = None) -> str:
         """The volume id that `ref` names: an id as is, else the one volume (of `role`)
@@ -178,27 +174,19 @@ class AsyncClient:
         }
 
     async def _anchor(self, request: dict[str, Any]) -> Any:
-        """One request to the anchor's control socket (mounts)."""
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with sock:
-            try:
-                await sock.connect(str(self.runtime.anchor_socket))
-            except OSError:
-                raise SlatesError(
-                    "the anchor does not answer; is `slates anchor` running?",
-                    socket=str(self.runtime.anchor_socket),
-                ) from None
-            await send_all(sock, frame(pack(request)))
-            reader = FrameReader()
-            while (payload := reader.next_frame()) is None:
-                data = await sock.recv(1 << 16)
-                if not data:
-                    raise SlatesError("the anchor closed the connection")
-                reader.feed(data)
-        return check_ok(unpack(payload)).get("result")
+        """One request to the anchor's control socket (mounts), with the client's token:
+        an agent mounts and unmounts as itself."""
+        if self.token is not None:
+            request = {**request, "token": self.token}
+        return await self._opened().control(str(self.runtime.anchor_socket), request)
 
     async def mount(
-        self, volume: str, directory: str | os.PathLike[str], *, writeback: bool = False
+        self,
+        volume: str,
+        directory: str | os.PathLike[str],
+        *,
+        writeback: bool = False,
+        allow_other: bool = False,
     ) -> dict[str, Any]:
         """Serve a volume at an empty directory you own (returns once it serves).
 
@@ -208,16 +196,19 @@ class AsyncClient:
         included, reach the mount.  writeback=True lets the kernel gather
         writes (fewer, larger requests) but, as FUSE's writeback cache keeps
         the file size to itself, is for volumes only this mount changes.
+        allow_other=True lets other users' processes enter the mount (FUSE's
+        allow_other; the kernel still checks each file's permissions).
         """
         shard_of(volume)
-        result: dict[str, Any] = await self._anchor(
-            {
-                "op": "mount",
-                "volume": volume,
-                "directory": str(Path(directory).resolve()),
-                "writeback": writeback,
-            }
-        )
+        request: dict[str, Any] = {
+            "op": "mount",
+            "volume": volume,
+            "directory": str(Path(directory).resolve()),
+            "writeback": writeback,
+        }
+        if allow_other:  # sent only when asked, so an ordinary mount sends what it always did
+            request["allow_other"] = True
+        result: dict[str, Any] = await self._anchor(request)
         return result
 
     async def unmount(
@@ -226,7 +217,7 @@ class AsyncClient:
         """Flush and detach a mount; refused while a process uses it, unless forced (lazy)."""
         path = str(Path(directory).resolve())
         with contextlib.suppress(OSError):
-            await trio.to_thread.run_sync(_syncfs, path)
+            await self._opened().syncfs(path, None)
         result: dict[str, Any] = await self._anchor(
             {"op": "unmount", "directory": path, "force": force}
         )
@@ -243,9 +234,8 @@ class AsyncClient:
             if mount.volume != volume:
                 continue
             try:
-                with trio.fail_after(BARRIER_SECONDS):
-                    await trio.to_thread.run_sync(_syncfs, mount.directory, abandon_on_cancel=True)
-            except (OSError, trio.TooSlowError) as exc:
+                await self._opened().syncfs(mount.directory, BARRIER_SECONDS)
+            except OSError as exc:  # TimeoutError too: the transport's bound ran out
                 raise SnapshotBarrierFailed(
                     "a mount could not write back its cached changes",
                     directory=mount.directory,
@@ -612,11 +602,24 @@ class AsyncClient:
         return result
 
 
-class _Blocking(Generic[_P, _T]):
-    """A Client method: the AsyncClient method of the same name, run on the client's
-    trio thread, with the same parameters and result type (mypy sees both)."""
+def _run_to_end(step: Coroutine[Any, Any, _T]) -> _T:
+    """Run a coroutine that never suspends (AsyncClient over the blocking transport)."""
+    try:
+        step.send(None)
+    except StopIteration as done:
+        result: _T = done.value
+        return result
+    step.close()
+    raise VerificationFailed("a blocking client call waited on an event loop; it has none")
 
-    def __init__(self, method: Callable[Concatenate[AsyncClient, _P], Awaitable[_T]]) -> None:
+
+class _Blocking(Generic[_P, _T]):
+    """A Client method: the AsyncClient method of the same name, run to its end over the
+    blocking transport, with the same parameters and result type (mypy sees both)."""
+
+    def __init__(
+        self, method: Callable[Concatenate[AsyncClient, _P], Coroutine[Any, Any, _T]]
+    ) -> None:
         self.method = method
         self.__doc__ = method.__doc__
         self.name = method.__name__
@@ -639,7 +642,7 @@ class _Blocking(Generic[_P, _T]):
         method = self.method
 
         def blocking(*args: _P.args, **kwargs: _P.kwargs) -> _T:
-            return client._run(method, client._async, *args, **kwargs)
+            return _run_to_end(method(client._live(), *args, **kwargs))
 
         blocking.__name__ = self.name
         blocking.__doc__ = self.__doc__
@@ -647,48 +650,27 @@ class _Blocking(Generic[_P, _T]):
 
 
 class Client:
-    """The blocking client: every AsyncClient method, run on a private trio thread."""
+    """The blocking client: every AsyncClient method, on the caller's thread (no trio)."""
 
     def __init__(self, runtime_dir: str | os.PathLike[str] | None = None, **options: Any) -> None:
+        from slates.sdk.blocking import BlockingTransport
+
         self._async = AsyncClient(runtime_dir, **options)
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._stop: trio.Event | None = None
-        self._failure: BaseException | None = None
-        ready = threading.Event()
+        self._async._transport = BlockingTransport(
+            self._async.client_id, self._async.rings, self._async.token
+        )
+        self._closed = False
+        _run_to_end(self._async.__aenter__())
 
-        async def main() -> None:
-            self._token = trio.lowlevel.current_trio_token()
-            self._stop = trio.Event()
-            try:
-                await self._async.__aenter__()
-            except BaseException as exc:
-                self._failure = exc
-                ready.set()
-                return
-            ready.set()
-            await self._stop.wait()
-            await self._async.aclose()
-
-        self._thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
-        self._thread.start()
-        ready.wait()
-        if self._failure is not None:
-            self._thread.join()
-            raise self._failure
-
-    def _run(self, fn: Callable[..., Awaitable[_T]], *args: Any, **kwargs: Any) -> _T:
-        if self._token is None or not self._thread.is_alive():
+    def _live(self) -> AsyncClient:
+        if self._closed:
             raise InvalidArgument("the client is closed")
-
-        async def call() -> _T:
-            return await fn(*args, **kwargs)
-
-        return trio.from_thread.run(call, trio_token=self._token)
+        return self._async
 
     def close(self) -> None:
-        if self._thread.is_alive() and self._stop is not None and self._token is not None:
-            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-            self._thread.join()
+        if not self._closed:
+            self._closed = True
+            _run_to_end(self._async.aclose())
 
     def __enter__(self) -> Client:
         return self

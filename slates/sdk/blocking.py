@@ -1,0 +1,246 @@
+"""The blocking transport: Client's connections to shards and to the anchor, without trio.
+
+Theory of operation: the same conversation as slates.sdk.connection (what
+is sent and what a reply means is slates.sdk.session's, shared by both),
+over plain blocking sockets on the caller's thread.  A shard connection is
+opened on first use: hello, the ring pair when rings were asked for, then
+one request at a time (a threading lock, so threads may share a Client).
+If the shard dies or the connection breaks, the request reconnects and is
+resent unchanged, within slates.sdk.session.Reconnect's bound; a request
+interrupted otherwise (KeyboardInterrupt, a corrupt ring) closes its
+connection, so no late reply can meet the next request.
+
+Waiting for a reply over rings: the reply ring is waited on in slices
+(`Ring.receive_blocking` with a timeout growing from WATCH_FIRST to
+WATCH_MOST seconds), and between slices the socket is polled, because a
+reply too large for the ring comes as a socket frame and the socket's end
+means the shard died.  A reply that comes on the socket is therefore seen
+at most WATCH_MOST seconds late; ring replies are seen at once.  Waiting
+for room in a full request ring also watches the socket.
+
+Every coroutine here runs to its end without suspending (there is no event
+loop underneath), which is what lets slates.sdk.client.Client drive
+AsyncClient's coroutines synchronously.  slates.node.ring (and with it the
+C extension) is imported only by connections that use rings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from slates.errors import SlatesError
+from slates.node.protocol import FrameReader, frame
+from slates.sdk.session import (
+    FDS_SPACE,
+    ConnectionLost,
+    Reconnect,
+    ShardSession,
+    control_message,
+    control_result,
+    received_fds,
+)
+from slates.sdk.transport import syncfs
+
+__all__ = ["BYE_SECONDS", "BlockingShardConnection", "BlockingTransport"]
+
+BYE_SECONDS = 5.0
+"""How long closing waits for a shard's answer to goodbye."""
+WATCH_FIRST = 0.001
+WATCH_MOST = 0.02
+RING_FULL_WAIT = 0.0005
+_RECV = 1 << 16
+
+
+class BlockingShardConnection:
+    """One client's connection to one shard, on blocking sockets (see the module docstring)."""
+
+    def __init__(self, path: str, session: ShardSession) -> None:
+        self.path = path
+        self.session = session
+        self.sock: socket.socket | None = None
+        self.pair: Any = None  # a slates.node.ring.RingPair once connected with rings
+        self.reader = FrameReader()
+        self.lock = threading.Lock()
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(self.path)
+            sock.sendall(self.session.hello())
+            self.reader = FrameReader()
+            fds: list[int] = []
+            while (answer := self.reader.next_frame()) is None:
+                data, ancillary, _flags, _addr = sock.recvmsg(_RECV, FDS_SPACE)
+                fds.extend(received_fds(ancillary))
+                if not data:
+                    raise ConnectionLost()
+                self.reader.feed(data)
+            ring_fds = self.session.accept_hello(answer, fds)
+            if ring_fds is not None:
+                from slates.node.ring import RingPair
+
+                self.pair = RingPair.attach(ring_fds)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+    def close(self) -> None:
+        if self.pair is not None:
+            self.pair.close()
+            self.pair = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def _read_frame(self, sock: socket.socket) -> bytes:
+        while (payload := self.reader.next_frame()) is None:
+            data = sock.recv(_RECV)
+            if not data:
+                raise ConnectionLost()
+            self.reader.feed(data)
+        return payload
+
+    def _socket_frame(self, sock: socket.socket, watch: select.poll) -> bytes | None:
+        """A frame that came on the socket meanwhile (None if none yet), without blocking."""
+        while watch.poll(0):
+            data = sock.recv(_RECV)
+            if not data:
+                raise ConnectionLost()
+            self.reader.feed(data)
+            if (payload := self.reader.next_frame()) is not None:
+                return payload
+        return self.reader.next_frame()
+
+    def _exchange(self, message: bytes, deadline: float | None = None) -> bytes:
+        """Send `message` and wait for its reply; TimeoutError past `deadline` (monotonic)."""
+        sock = self.sock
+        if sock is None:
+            raise ConnectionLost()
+        if self.pair is None:
+            if deadline is not None:
+                sock.settimeout(max(0.0, deadline - time.monotonic()))
+            sock.sendall(frame(message))
+            return self._read_frame(sock)
+        pair = self.pair
+        watch = select.poll()
+        watch.register(sock, select.POLLIN)
+        if len(message) > pair.requests.max_message:
+            sock.sendall(frame(message))  # too large for the ring: a socket frame
+        else:
+            while not pair.requests.push(message):
+                if (early := self._socket_frame(sock, watch)) is not None:
+                    return early
+                _check(deadline)
+                time.sleep(RING_FULL_WAIT)  # bounded ring: the shard drains it
+        step = WATCH_FIRST
+        while True:
+            received: bytes | None = pair.replies.receive_blocking(step)
+            if received is not None:
+                return received
+            if (large := self._socket_frame(sock, watch)) is not None:
+                return large
+            _check(deadline)
+            step = min(step * 2, WATCH_MOST)
+
+    def request(self, op: str, args: dict[str, Any]) -> Any:
+        with self.lock:
+            outgoing = self.session.start(op, args)
+            reconnect = Reconnect(time.monotonic(), self.path)
+            while True:
+                try:
+                    if self.sock is None:
+                        self._connect()
+                    payload = self._exchange(outgoing.message)
+                    break
+                except (OSError, ConnectionLost):
+                    self.close()
+                    time.sleep(reconnect.after_failure(time.monotonic()))
+                except BaseException:
+                    self.close()  # a half-done exchange must not meet the next request
+                    raise
+            return self.session.finish(outgoing, payload)
+
+    def bye(self) -> None:
+        """Goodbye on the open connection, once and within BYE_SECONDS (no reconnect:
+        a shard that restarted has forgotten this client already); then disconnect."""
+        with self.lock:
+            if self.sock is not None:
+                outgoing = self.session.start("bye", {})
+                with contextlib.suppress(SlatesError, OSError, ConnectionLost):
+                    payload = self._exchange(outgoing.message, time.monotonic() + BYE_SECONDS)
+                    self.session.finish(outgoing, payload)
+            self.close()
+
+
+def _check(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError()
+
+
+class BlockingTransport:
+    """slates.sdk.transport.Transport on blocking sockets (see the module docstring)."""
+
+    def __init__(self, client_id: str, rings: bool, token: str | None) -> None:
+        self.client_id = client_id
+        self.rings = rings
+        self.token = token
+        self.shards: list[BlockingShardConnection] = []
+
+    def open(self, sockets: Sequence[str]) -> None:
+        self.shards = [
+            BlockingShardConnection(path, ShardSession(self.client_id, self.rings, self.token))
+            for path in sockets
+        ]
+
+    async def request(self, shard: int, op: str, args: dict[str, Any]) -> Any:
+        return self.shards[shard].request(op, args)
+
+    async def control(self, path: str, request: dict[str, Any]) -> Any:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+            try:
+                sock.connect(path)
+            except OSError:
+                raise SlatesError(
+                    "the anchor does not answer; is `slates anchor` running?", socket=path
+                ) from None
+            sock.sendall(control_message(request))
+            reader = FrameReader()
+            while (payload := reader.next_frame()) is None:
+                data = sock.recv(_RECV)
+                if not data:
+                    raise SlatesError("the anchor closed the connection")
+                reader.feed(data)
+        return control_result(payload)
+
+    async def syncfs(self, directory: str, timeout: float | None) -> None:
+        if timeout is None:
+            syncfs(directory)
+            return
+        # A worker thread, so a mount that never finishes writing back cannot hold the
+        # caller past `timeout`; the thread is abandoned then (it ends with the syncfs).
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                syncfs(directory)
+            except BaseException as exc:  # handed to the caller below
+                failure.append(exc)
+
+        worker = threading.Thread(target=run, name="slates-syncfs", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            raise TimeoutError()
+        if failure:
+            raise failure[0]
+
+    async def close(self) -> None:
+        for shard in self.shards:
+            shard.bye()
