@@ -75,7 +75,7 @@ OPERATOR = Principal()
 FS_READS = frozenset(
     {"fs.lookup", "fs.forget", "fs.destroy", "fs.getattr", "fs.readlink", "fs.read"}
     | {"fs.readdir", "fs.statfs", "fs.getxattr", "fs.listxattr", "fs.lseek", "fs.access"}
-    | {"fs.fsync"}
+    | {"fs.fsync", "fs.base"}
 )
 FS_WRITES = frozenset(
     {"fs.setattr", "fs.mknod", "fs.mkdir", "fs.unlink", "fs.rmdir", "fs.symlink", "fs.rename"}
