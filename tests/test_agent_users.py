@@ -12,7 +12,11 @@ every resulting owner and mode must agree (and the steps include denials, so
 agreement is not trivial).
 
 Needs root (CI runs as root): the users are bare uids and gids with no
-/etc/passwd entries, which the kernel and FUSE accept as they are.
+/etc/passwd entries, which the kernel and FUSE accept as they are.  The
+interpreter of this checkout may lie where other users cannot read it (a
+pyenv under /root), so an agent's `slates` runs as root until it has
+imported what it needs and then drops to the agent's uid and groups before
+doing anything (RUNNER); the permission steps use the system's Python.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ ALICE = (47101, 47121)  # (uid, primary gid): an agent, in the agent group
 CAROL = (47103, 47123)  # another member of the agent group (same project, other user)
 BOB = (47102, 47122)  # a user outside the agent group
 ROOT = (0, 0)
+SYSTEM_PYTHON = "/usr/bin/python3"  # readable by every user (the Makefile installs python3)
 MEMBERS = {ALICE: [AGENTS], CAROL: [AGENTS], BOB: []}
 
 
@@ -57,18 +62,38 @@ def as_user(
     )
 
 
+RUNNER = r"""
+import importlib, json, os, pkgutil, sys
+import slates, slates_cli
+for package in (slates, slates_cli):
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        if not info.name.startswith(("slates.mcp", "slates.fleet")):
+            importlib.import_module(info.name)
+for name in ("rich.console", "rich.table", "rich.text", "difflib", "secrets", "uuid"):
+    importlib.import_module(name)
+uid, gid, groups = json.loads(sys.argv[1])
+os.setgroups(groups)
+os.setresgid(gid, gid, gid)
+os.setresuid(uid, uid, uid)
+from slates_cli.main import main
+sys.argv = ["slates", *sys.argv[2:]]
+main()
+"""
+
+
 def slates(
     runtime: Path, *args: str, user: tuple[int, int] | None = None, token: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    env = {"SLATES_RUNTIME_DIR": str(runtime), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "SLATES_RUNTIME_DIR": str(runtime), "HOME": "/"}
+    env.pop("SLATES_TOKEN", None)
     if token is not None:
         env["SLATES_TOKEN"] = token
-    argv = [sys.executable, "-m", "slates_cli.main", *args]
     if user is None:
-        return subprocess.run(
-            argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=120
-        )
-    return as_user(user, argv, env)
+        argv = [sys.executable, "-m", "slates_cli.main", *args]
+    else:
+        identity = json.dumps([user[0], user[1], MEMBERS[user]])
+        argv = [sys.executable, "-c", RUNNER, identity, *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd="/")
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:
@@ -153,8 +178,8 @@ def test_agent_group_reaches_the_service_only_with_a_token(fleet: dict[str, obje
     secrets = [p for p in runtime.iterdir() if p.is_file() and p.name != "anchor.json"]
     assert secrets, "the runtime directory holds the approver key and the agents file"
     for secret in secrets:
-        probe = as_user(ALICE, [sys.executable, "-c", f"open({str(secret)!r}, 'rb').read()"])
-        assert probe.returncode != 0 and "PermissionError" in probe.stderr, secret.name
+        probe = as_user(ALICE, ["cat", str(secret)])
+        assert probe.returncode != 0 and "Permission denied" in probe.stderr, secret.name
 
 
 def test_an_agent_mounts_its_own_work_and_nothing_else(fleet: dict[str, object]) -> None:
@@ -162,7 +187,8 @@ def test_an_agent_mounts_its_own_work_and_nothing_else(fleet: dict[str, object])
     assert isinstance(runtime, Path) and isinstance(place, Path) and isinstance(tokens, dict)
     alice, dave = tokens["alice"], tokens["dave"]
     ok(slates(runtime, "work", "create", "main", "alice-w", user=ALICE, token=alice))
-    ok(slates(runtime, "work", "create", "main", "dave-w", user=ALICE, token=dave))
+    made = ok(slates(runtime, "work", "create", "main", "dave-w", "--json", user=ALICE, token=dave))
+    dave_w = json.loads(made)["id"]
     where = place / "alice-mnt"
     where.mkdir()
     os.chown(where, *ALICE)
@@ -185,7 +211,7 @@ def test_an_agent_mounts_its_own_work_and_nothing_else(fleet: dict[str, object])
     other = place / "dave-mnt"
     other.mkdir()
     os.chown(other, *ALICE)
-    refused = slates(runtime, "mount", "dave-w", str(other), user=ALICE, token=alice)
+    refused = slates(runtime, "mount", dave_w, str(other), user=ALICE, token=alice)
     assert refused.returncode != 0 and "AccessDenied" in refused.stdout + refused.stderr
     assert str(other) not in _mounts_under(place)
     # A green mounts for an agent, read-only in effect: it changes only by submission.
@@ -293,7 +319,7 @@ except OSError as exc:
 def _run_steps(top: Path) -> list[str]:
     outcomes = []
     for user, op, path, arg in STEPS:
-        argv = [sys.executable, "-S", "-c", STEP, json.dumps([op, path, arg])]
+        argv = [SYSTEM_PYTHON, "-S", "-c", STEP, json.dumps([op, path, arg])]
         if user == ROOT:
             result = subprocess.run(argv, capture_output=True, text=True, cwd=top, timeout=60)
         else:

@@ -171,12 +171,13 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
         case "fs.mknod":
             return _mknod(volume, args, now)
         case "fs.mkdir":
+            gid, inherits = _group_of_new(volume, args)
             attr = volume.mkdir(
                 _int(args, "parent"),
                 _name(args),
-                _int(args, "mode") & 0o7777,
+                (_int(args, "mode") & 0o7777) | (stat.S_ISGID if inherits else 0),
                 uid=_int(args, "uid"),
-                gid=_int(args, "gid"),
+                gid=gid,
                 time_ns=now,
             )
             return _entry(volume, attr)
@@ -192,7 +193,7 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
                 _name(args),
                 _name(args, "target"),
                 uid=_int(args, "uid"),
-                gid=_int(args, "gid"),
+                gid=_group_of_new(volume, args)[0],
                 time_ns=now,
             )
             return _entry(volume, attr)
@@ -288,10 +289,21 @@ def _setattr(volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
     return attr_reply(volume, volume.getattr(ino))
 
 
+def _group_of_new(volume: Volume, args: dict[str, Any]) -> tuple[int, bool]:
+    """The group a new entry gets, and whether its directory passes setgid on (POSIX: in
+    a setgid directory new entries take the directory's group, new directories its
+    setgid bit too; elsewhere the creator's group)."""
+    parent = volume.getattr(_int(args, "parent"))
+    if parent.mode & stat.S_ISGID:
+        return parent.gid, True
+    return _int(args, "gid"), False
+
+
 def _mknod(volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
     mode = _int(args, "mode")
     kind = _KINDS.get(stat.S_IFMT(mode))
-    parent, name, uid, gid = _int(args, "parent"), _name(args), _int(args, "uid"), _int(args, "gid")
+    parent, name, uid = _int(args, "parent"), _name(args), _int(args, "uid")
+    gid = _group_of_new(volume, args)[0]
     if kind is None:
         raise InvalidArgument("unknown file type", mode=mode)
     if kind == Kind.FILE:
@@ -313,7 +325,7 @@ def _create(volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
             name,
             _int(args, "mode") & 0o7777,
             uid=_int(args, "uid"),
-            gid=_int(args, "gid"),
+            gid=_group_of_new(volume, args)[0],
             time_ns=now,
         )
     except AlreadyExists:

@@ -48,6 +48,7 @@ from slates.node.events import (
     WorkMade,
     WorkRebased,
 )
+from slates.node.jobs import JobBody
 from slates.node.ledger import Held, Version
 
 if TYPE_CHECKING:
@@ -126,12 +127,13 @@ class GreenOps:
         self.service.ledger.green_arg(green, green in self.service.volumes)
         return green
 
-    def _create_green(self, args: dict[str, Any], now: int) -> dict[str, Any]:
+    def _create_green(self, args: dict[str, Any], now: int) -> JobBody:
         """A green volume: empty, or a captured copy of a base directory (never read live).
 
         A live base could change under the versions agents share, so a green
         volume's base is captured: every version holds its own bytes.  Its
         policy (private paths, rewrites) is checked before anything is made.
+        A job (slates.node.jobs): the capture reads off the shard's loop.
         """
         if args.get("from") is not None:
             raise InvalidArgument("a green volume starts empty or from a base directory")
@@ -139,7 +141,8 @@ class GreenOps:
         base = args.get("base")
         create = {**args, "capture": base is not None}
         service = self.service
-        vid = service._create_volume(create, now)["id"]
+        created = service._create_volume(create, now)
+        vid = created["id"] if isinstance(created, dict) else (yield from created)["id"]
         snapshot = service.volumes[vid].snapshot(service._new_id("snap"))
         source = os.path.realpath(base) if isinstance(base, str) else None
         service._emit(GreenMade(vid, snapshot.snapshot_id, source, policy))

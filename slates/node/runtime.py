@@ -112,6 +112,7 @@ class AnchorState:
 class Runtime:
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path) if path is not None else default_runtime_dir()
+        self.agent_group: int | None = None  # set by prepare: the group the state file is read by
 
     @property
     def state_file(self) -> Path:
@@ -174,6 +175,7 @@ class Runtime:
         st = self.path.stat()
         if st.st_uid != os.geteuid():
             raise AccessDenied("the runtime directory belongs to another user", path=str(self.path))
+        self.agent_group = group
         if group is None:
             if stat.S_IMODE(st.st_mode) & 0o077:
                 os.chmod(self.path, 0o700)
@@ -188,6 +190,8 @@ class Runtime:
         """The state file is the one file agents of the agent group may read (0640)."""
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state.to_json()))
+        if self.agent_group is not None:
+            os.chown(tmp, -1, self.agent_group)
         os.chmod(tmp, 0o640)
         os.replace(tmp, self.state_file)
 

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from types import GeneratorType
 from typing import Any
 
 from slates.base.beneath import Anchored
-from slates.base.capturing import capture_into
+from slates.base.capturing import CaptureReader, CaptureWriter
+from slates.base.live import LiveDirectory
 from slates.core.host import Host
 from slates.core.records import Kind
 from slates.core.volume import BaseReader, Capacity, Volume
@@ -39,6 +41,7 @@ from slates.errors import (
     AccessDenied,
     AlreadyExists,
     CapacityExhausted,
+    ConsistentBaseUnavailable,
     InvalidArgument,
     NotFound,
     NotPermitted,
@@ -65,6 +68,7 @@ from slates.node.fsops import run_fs_op
 from slates.node.green_ops import OPS as GREEN_OPS
 from slates.node.green_ops import GreenOps
 from slates.node.green_ops import bool_arg as _bool_arg
+from slates.node.jobs import Io, Job, JobBody, Outcome, Pause, Sent, Thrown
 from slates.node.landing_ops import LandingOps
 from slates.node.path_ops import run_path_op
 from slates.node.principals import OPERATOR, Principal, authorize
@@ -74,13 +78,14 @@ from slates.node.state import ShardState
 __all__ = ["ShardService", "Event", "MAX_UNACKED", "READ_ONLY_OPS", "shard_of"]
 
 MAX_UNACKED = 1024
+CAPTURE_SUFFIX = " (capturing)"  # a capture job's scratch volume (never a volume's own name)
 MAX_AGENT_VOLUMES = 256  # per agent and shard
 MAX_AGENT_CLIENTS = 64  # client ids with saved replies, per agent and shard
 READ_ONLY_OPS = frozenset(
     {"status", "volume.list", "volume.show", "read", "list", "stat", "readlink"}
     | {"versions", "changed_since", "land.show", "land.read_base", "land.content", "land.check"}
     | {"fs.getattr", "fs.read", "fs.readlink", "fs.getxattr", "fs.listxattr", "fs.statfs"}
-    | {"fs.lseek", "fs.access", "fs.fsync", "bye"}
+    | {"fs.lseek", "fs.access", "fs.fsync", "fs.base", "bye"}
 )
 # What a green volume refuses: it changes only by submission.
 GREEN_REFUSES = frozenset(
@@ -125,8 +130,9 @@ class ShardService(ShardState):
 
     def handle(
         self, client: str, request: Request, now_ns: int, principal: Principal = OPERATOR
-    ) -> tuple[dict[str, Any], list[Event]]:
-        """Run one request; returns (reply, events to commit before replying).
+    ) -> tuple[dict[str, Any] | Job, list[Event]]:
+        """Run one request; returns (reply, events to commit before replying).  A long
+        request (a capture) returns its Job instead of a reply: see `step`.
 
         A client id belongs to the principal that first used it: saved replies
         (grant tokens among them) are never answered to another principal.
@@ -171,19 +177,68 @@ class ShardService(ShardState):
                         limit=MAX_AGENT_VOLUMES,
                     )
             result = self._run(request.op, request.args, now_ns)
+        except Exception as exc:
+            return self._done(client, principal, request, error=exc), self._take_events()
+        if isinstance(result, GeneratorType):  # a long request: a job (slates.node.jobs)
+            job = Job(client, principal, request, result, Pause())
+            return self._resume(job, Sent()), self._take_events()
+        return self._done(client, principal, request, result=result), self._take_events()
+
+    def step(
+        self, job: Job, outcome: Outcome, now_ns: int
+    ) -> tuple[dict[str, Any] | Job, list[Event]]:
+        """Advance a job with what its I/O gave; returns (its reply, or the job still
+        running, and the events to commit now).  The shard calls it between requests."""
+        self._events = []
+        self.applied = []
+        self._client = job.client
+        return self._resume(job, outcome), self._take_events()
+
+    def abandon(self, job: Job) -> list[Event]:
+        """End a job that will not be resumed (its connection went away): its cleanup
+        runs now (a capture drops its scratch volume); returns the events to commit."""
+        self._events = []
+        self.applied = []
+        self._client = job.client
+        job.body.close()
+        return self._take_events()
+
+    def _resume(self, job: Job, outcome: Outcome) -> dict[str, Any] | Job:
+        try:
+            if isinstance(outcome, Thrown):
+                job.waiting = job.body.throw(outcome.error)
+            else:
+                job.waiting = job.body.send(outcome.value)
+        except StopIteration as finished:
+            return self._done(job.client, job.principal, job.request, result=finished.value)
+        except Exception as exc:
+            return self._done(job.client, job.principal, job.request, error=exc)
+        return job
+
+    def _done(
+        self,
+        client: str,
+        principal: Principal,
+        request: Request,
+        *,
+        result: Any = None,
+        error: Exception | None = None,
+    ) -> dict[str, Any]:
+        """A request's reply, saved if it changed anything."""
+        if error is None:
             if not principal.is_operator:
                 result = self._as_agent(principal, request.op, result)
             reply = ok_reply(request.seq, result)
-        except SlatesError as exc:
-            reply = error_reply(request.seq, exc)
-        except Exception as exc:  # a bug: answer it, and keep memory and journal in step
+        elif isinstance(error, SlatesError):
+            reply = error_reply(request.seq, error)
+        else:  # a bug: answer it, and keep memory and journal in step
             failure = VerificationFailed(
-                "internal error", op=request.op, reason=f"{type(exc).__name__}: {exc}"
+                "internal error", op=request.op, reason=f"{type(error).__name__}: {error}"
             )
             reply = error_reply(request.seq, failure)
-        if mutating:
+        if request.op not in READ_ONLY_OPS:
             self._emit(ReplySaved(client, request.seq, reply))
-        return reply, self._take_events()
+        return reply
 
     def _allowed(self, path: object) -> bool:
         """Whether `path` lies under a root the operator allowed agents."""
@@ -206,7 +261,9 @@ class ShardService(ShardState):
 
     def _check_name(self, name: str) -> None:
         """Names are unique among the live volumes of a shard."""
-        if name in self.names.values() and not name.endswith(" (capturing)"):
+        if name.endswith(CAPTURE_SUFFIX):
+            raise InvalidArgument("that name is kept for captures in progress", name=name)
+        if name in self.names.values():
             taken = next(v for v, n in self.names.items() if n == name)
             raise AlreadyExists(f"volume {taken} has that name already", name=name, volume=taken)
 
@@ -317,7 +374,7 @@ class ShardService(ShardState):
 
     # -- volumes and snapshots --------------------------------------------------
 
-    def _create_volume(self, args: dict[str, Any], now: int) -> dict[str, Any]:
+    def _create_volume(self, args: dict[str, Any], now: int) -> dict[str, Any] | JobBody:
         name = _str_arg(args, "name")
         self._check_name(name)
         capacity = _capacity(args)
@@ -336,18 +393,64 @@ class ShardService(ShardState):
         self._check_unprotected(base_path, "base")
         if not args.get("capture", False):
             return self._new_volume(name, base_path, capacity, case_insensitive, now)
-        scratch = self._new_volume(f"{name} (capturing)", None, capacity, case_insensitive, now)
-        vid = scratch["id"]
+        return self._capture(name, base_path, capacity, case_insensitive, args, now)
+
+    def _capture(
+        self,
+        name: str,
+        base_path: str,
+        capacity: Capacity,
+        case_insensitive: bool,
+        args: dict[str, Any],
+        now: int,
+    ) -> JobBody:
+        """A capture as a job (slates.node.jobs): every read of the source runs off the
+        loop, and each batch of records it applies to a scratch volume is committed on
+        its own, so other clients' requests run between batches.  The scratch volume
+        (named NAME + CAPTURE_SUFFIX) is dropped at the end, or, if the shard dies
+        mid-way, by recovery (`abandoned_captures`)."""
+        protected = self.protected
+        live = yield Io(lambda: LiveDirectory(base_path, protected=protected))
         try:
-            volume = self.volumes[vid]
-            snapshot = capture_into(
-                base_path, volume, snapshot_id=self._new_id("snap"), protected=self.protected
-            )
+            reader = yield Io(lambda: CaptureReader(live))
+            scratch = self._new_volume(name + CAPTURE_SUFFIX, None, capacity, case_insensitive, now)
+            vid = scratch["id"]
+            try:
+                writer = CaptureWriter(self._scratch(vid), reader.top)
+                batches = reader.batches()
+                while (batch := (yield Io(lambda: next(batches, None)))) is not None:
+                    self._scratch(vid)  # still there: other requests ran meanwhile
+                    writer.apply(batch)
+                    yield Pause()
+                    # Seal as it goes, so the snapshot at the end has little left to hash.
+                    self._scratch(vid).seal()
+                    yield Pause()
+                yield Io(reader.verify)
+                self._scratch(vid)
+                snapshot = writer.finish(self._new_id("snap"))
+            finally:
+                if vid in self.volumes:
+                    self._emit(VolumeDropped(vid))
         finally:
-            self._emit(VolumeDropped(vid))
+            live.close()  # closing fds does not wait on the disk; no yield in a finally
         return self._clone(
             {"snapshot": snapshot.snapshot_id, "name": name, **args}, capacity=capacity
         )
+
+    def _scratch(self, vid: str) -> Volume:
+        volume = self.volumes.get(vid)
+        if volume is None:
+            raise ConsistentBaseUnavailable("the capture's scratch volume was deleted", volume=vid)
+        return volume
+
+    def abandoned_captures(self) -> list[Event]:
+        """After recovery: drop the scratch volumes of captures the last shard did not
+        finish (their jobs died with it); returns the events to commit."""
+        self._events = []
+        for vid, volume_name in sorted(self.names.items()):
+            if volume_name.endswith(CAPTURE_SUFFIX):
+                self._emit(VolumeDropped(vid))
+        return self._take_events()
 
     def _new_volume(
         self, name: str, base_key: str | None, capacity: Capacity, ci: bool, now: int

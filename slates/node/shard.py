@@ -65,6 +65,7 @@ from slates.errors import (
     SlatesError,
 )
 from slates.node.arena import ArenaChunks
+from slates.node.events import Event, from_wire, to_wire
 from slates.node.jobs import Io, Job, Outcome, Sent, Thrown
 from slates.node.journal import Checkpoints, Journal, Segment
 from slates.node.principals import Agents, Principal, authorize
@@ -227,11 +228,9 @@ class Shard:
             or self.private_peak - self.host.private_bytes > CHECKPOINT_FREED_BYTES
         )
 
-    def commit(self, events: list[Any]) -> None:
+    def commit(self, events: list[Event]) -> None:
         if not events:
             return
-        from slates.node.events import to_wire  # the journal holds each event's wire form
-
         payload = pack({"events": [to_wire(event) for event in events]})
         # No checkpoint here: the service state already holds this request's
         # effects, which must reach the journal, not a checkpoint, first.
@@ -263,8 +262,12 @@ class Shard:
         """The packed reply to one request; a long request's job runs to its end here,
         its I/O in worker threads and other connections' requests between its steps."""
         outcome = self.handle(hello, message)
-        while isinstance(outcome, Job):
-            outcome = await self._advance(outcome)
+        try:
+            while isinstance(outcome, Job):
+                outcome = await self._advance(outcome)
+        finally:
+            if isinstance(outcome, Job):  # cancelled (the client left): clean up after it
+                self.commit(self.service.abandon(outcome))
         return outcome
 
     async def _advance(self, job: Job) -> bytes | Job:
@@ -583,10 +586,8 @@ def invalidations(applied: list[tuple[str, Record]]) -> dict[str, list[list[Any]
     return {vid: notes for vid, notes in out.items() if notes}
 
 
-def unpack_events(payload: bytes) -> list[Any]:
+def unpack_events(payload: bytes) -> list[Event]:
     """A journal frame's events (slates.node.events; VerificationFailed for a malformed one)."""
-    from slates.node.events import from_wire
-
     message = unpack(payload)
     events = message.get("events")
     if not isinstance(events, list):
@@ -638,6 +639,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     started = time.monotonic()
     replayed = shard.recover()
+    shard.commit(shard.service.abandoned_captures())  # the last shard's unfinished jobs
     shard.write_names()
     _log(
         f"shard {args.index} recovered {len(shard.service.volumes)} volumes, "

@@ -1,0 +1,114 @@
+"""Long requests run as jobs off the shard's loop (issue 12, item 4; slates.node.jobs).
+
+A capture reads its source in worker threads and commits batch by batch, so
+another client's requests on the same shard are answered while it runs; a
+shard killed mid-capture recovers without the capture's scratch volume, and
+the capture can simply be asked again; a client that leaves mid-capture
+leaves nothing behind.  Real anchor processes, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from slates import Client
+from slates.errors import InvalidArgument
+from slates.node.service import CAPTURE_SUFFIX
+from tests.anchor_fixture import start_service
+
+FILES = 48
+FILE_SIZE = 1 << 20
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    top = tmp_path / "src"
+    for n in range(FILES):
+        sub = top / f"d{n % 4}"
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"f{n}.bin").write_bytes(os.urandom(FILE_SIZE))
+    return top
+
+
+def _scratch_volumes(client: Client) -> list[str]:
+    return [v["name"] for v in client.list_volumes() if v["name"].endswith(CAPTURE_SUFFIX)]
+
+
+def test_other_clients_are_answered_during_a_capture(tmp_path: Path, source: Path) -> None:
+    service = start_service(tmp_path / "run", shards=1, capacity="1GiB")
+    try:
+        with Client(service.runtime) as client:
+            busy = client.create_volume("busy")["id"]
+            client.write(busy, "/x", b"a")
+            answered: list[float] = []
+            stop = threading.Event()
+
+            def writer() -> None:
+                with Client(service.runtime) as other:
+                    while not stop.is_set():
+                        other.write(busy, "/x", b"b")
+                        answered.append(time.monotonic())
+
+            thread = threading.Thread(target=writer)
+            thread.start()
+            try:
+                while not answered:
+                    time.sleep(0.01)
+                started = time.monotonic()
+                captured = client.create_volume("captured", base=str(source), capture=True)
+                ended = time.monotonic()
+            finally:
+                stop.set()
+                thread.join()
+            during = [t for t in answered if started < t < ended]
+            # The shard answered the other client between the capture's batches (one
+            # stall of the whole capture would leave at most one answer in its window).
+            assert len(during) >= 5, (len(during), ended - started)
+            assert client.read(captured["id"], "/d1/f1.bin") == (source / "d1/f1.bin").read_bytes()
+            assert len(client.list(captured["id"], "/d2")) == FILES // 4
+            assert _scratch_volumes(client) == []
+            with pytest.raises(InvalidArgument):
+                client.create_volume("sneaky" + CAPTURE_SUFFIX)
+    finally:
+        service.stop()
+
+
+def test_a_shard_killed_mid_capture_recovers_without_its_scratch(
+    tmp_path: Path, source: Path
+) -> None:
+    service = start_service(tmp_path / "run", shards=1, capacity="1GiB")
+    try:
+        outcome: list[object] = []
+
+        def capture() -> None:
+            try:
+                with Client(service.runtime) as client:
+                    outcome.append(client.create_volume("cap", base=str(source), capture=True))
+            except Exception as exc:  # the shard's death reaches this client somehow
+                outcome.append(exc)
+
+        thread = threading.Thread(target=capture)
+        with Client(service.runtime) as client:
+            thread.start()
+            deadline = time.monotonic() + 60
+            while not _scratch_volumes(client) and not outcome:
+                assert time.monotonic() < deadline, "the capture never started"
+                time.sleep(0.005)
+            killed = service.kill_shard(0)
+        service.wait_restarted(0, killed)
+        thread.join(timeout=120)
+        with Client(service.runtime) as client:
+            assert _scratch_volumes(client) == []
+            names = {v["name"] for v in client.list_volumes()}
+            if "cap" not in names:  # the client's retry may have captured it already
+                client.create_volume("cap", base=str(source), capture=True)
+            cap = next(v["id"] for v in client.list_volumes() if v["name"] == "cap")
+            assert client.read(cap, "/d3/f7.bin") == (source / "d3/f7.bin").read_bytes()
+            assert _scratch_volumes(client) == []
+    finally:
+        service.stop()
