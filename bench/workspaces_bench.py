@@ -807,7 +807,8 @@ def workspace_table(results: Results) -> str:
                 ops = [
                     f"{op} {n:,}"
                     for op, n in counts.most_common()
-                    if op not in ("round_trips", "reconnects", "failed", "clean_reads", "clean_misses")
+                    if op
+                    not in ("round_trips", "reconnects", "failed", "clean_reads", "clean_misses")
                 ]
                 top = ", ".join(ops[:4])
                 lines.append(f"  {row:<40}{counts['round_trips']:>8,}  {top}")

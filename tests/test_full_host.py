@@ -54,7 +54,7 @@ def test_a_full_host_refuses_new_work_serves_the_rest_and_survives_a_shard_kill(
     service = start_service(tmp_path / "run", shards=2, capacity="96MiB")
     try:
         with Client(service.runtime) as client:
-            volumes = {}
+            volumes: dict[str, str] = {}
             for name in ("a", "b", "c", "d"):
                 info = client.create_volume(name)
                 volumes.setdefault(info["id"].split("-")[1], info["id"])
@@ -73,10 +73,9 @@ def test_a_full_host_refuses_new_work_serves_the_rest_and_survives_a_shard_kill(
             where.mkdir()
             client.mount(full, where)
             try:
-                with pytest.raises(OSError) as failed:
-                    with open(where / "big", "wb") as out:
-                        for _ in range(64):
-                            out.write(os.urandom(PIECE))
+                with pytest.raises(OSError) as failed, open(where / "big", "wb") as out:
+                    for _ in range(64):
+                        out.write(os.urandom(PIECE))
                 assert failed.value.errno == errno.ENOSPC
                 assert len((where / "f0").read_bytes()) == PIECE
             finally:

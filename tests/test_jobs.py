@@ -112,3 +112,48 @@ def test_a_shard_killed_mid_capture_recovers_without_its_scratch(
             assert _scratch_volumes(client) == []
     finally:
         service.stop()
+
+
+def test_other_clients_are_answered_during_a_landing(tmp_path: Path) -> None:
+    from tests.test_land_service import approve
+
+    service = start_service(tmp_path / "run", shards=1, capacity="1GiB")
+    target = tmp_path / "target"
+    target.mkdir()
+    try:
+        with Client(service.runtime) as client:
+            green = client.create_green("g")
+            work = client.create_work(green, "w")["id"]
+            client.mkdir(work, "/out")
+            for n in range(400):
+                client.write(work, f"/out/f{n}.bin", os.urandom(64 << 10))
+            assert client.submit(work)["ok"]
+            busy = client.create_volume("busy")["id"]
+            plan = client.land_plan(green, str(target))
+            grant = approve(client, service.runtime, plan["manifest"])
+            answered: list[float] = []
+            stop = threading.Event()
+
+            def writer() -> None:
+                with Client(service.runtime) as other:
+                    while not stop.is_set():
+                        other.write(busy, "/x", b"b")
+                        answered.append(time.monotonic())
+
+            thread = threading.Thread(target=writer)
+            thread.start()
+            try:
+                while not answered:
+                    time.sleep(0.01)
+                started = time.monotonic()
+                result = client.land_apply(plan["manifest"], grant)
+                ended = time.monotonic()
+            finally:
+                stop.set()
+                thread.join()
+            assert result["complete"] is True
+            assert len(list((target / "out").iterdir())) == 400
+            during = [t for t in answered if started < t < ended]
+            assert len(during) >= 5, (len(during), ended - started)
+    finally:
+        service.stop()

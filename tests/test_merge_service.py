@@ -28,6 +28,7 @@ from slates.merge.ranges import Replace
 from slates.merge.ranges import apply as apply_edits
 from slates.node.protocol import Request
 from slates.node.service import Event, ShardService
+from tests.jobs_inline import finish
 from tests.test_merge_ranges import draw_line_edits, git_merge
 
 CONF = b"quality=80\ncache=off\n"
@@ -94,8 +95,9 @@ class Service:
     def raw(self, op: str, **args: Any) -> dict[str, Any]:
         self.seq += 1
         self.now += 1_000
-        reply, events = self.svc.handle(
-            "agent", Request(self.seq, self.seq - 1, op, args), self.now
+        reply, events = finish(
+            self.svc,
+            *self.svc.handle("agent", Request(self.seq, self.seq - 1, op, args), self.now),
         )
         self.events += events
         return reply
@@ -1076,7 +1078,9 @@ def test_a_restored_service_continues_the_ledger_like_the_original() -> None:
     assert_accepted(service, a)
     # Work in progress (b is unsubmitted) survives replay and checkpoints.
     for other in (service.replayed(), service.restored()):
-        reply, _events = other.handle("late", Request(1, 0, "submit", {"volume": b}), 10**12)
+        reply, _events = finish(
+            other, *other.handle("late", Request(1, 0, "submit", {"volume": b}), 10**12)
+        )
         assert reply["ok"] and verdict(reply["result"]) == (True, 3, []), reply
         head = volume_tree(other.volumes[green])
         assert head == {"/image.conf": b"quality=90\ncache=on\n"}

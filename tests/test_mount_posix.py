@@ -15,6 +15,7 @@ import pytest
 from slates import Client
 from slates.errors import SnapshotBarrierFailed
 from slates.fuse.bridge import kernel_requests
+from slates.sdk.client import _run_to_end
 from tests.anchor_fixture import Service, service
 from tests.test_mount import mounted
 
@@ -230,9 +231,10 @@ def test_unmount_while_the_shard_is_down_does_not_stall_supervision(
             with Client(service.runtime) as other:
                 try:
                     outcome.append(
-                        other._run(
-                            other._async._anchor,
-                            {"op": "unmount", "directory": str(where), "force": False},
+                        _run_to_end(
+                            other._async._anchor(
+                                {"op": "unmount", "directory": str(where), "force": False}
+                            )
                         )
                     )
                 except Exception as exc:  # recorded, then asserted below

@@ -41,6 +41,7 @@ else here is bookkeeping.
 
 from __future__ import annotations
 
+import functools
 import hmac
 from collections.abc import Callable
 from typing import Any
@@ -58,7 +59,7 @@ from slates.errors import (
     SlatesError,
     VerificationFailed,
 )
-from slates.land.disk import Target, state_of_bytes
+from slates.land.disk import Applied, Target, state_of_bytes
 from slates.land.held import HeldContent
 from slates.land.manifest import (
     Decision,
@@ -70,6 +71,7 @@ from slates.land.manifest import (
     manifest_from_wire,
     order_for_apply,
 )
+from slates.node.jobs import Io, JobBody
 
 __all__ = ["LandingDesk", "MAX_PLANS", "MAX_HELD_BLOBS", "MAX_HELD_BYTES", "walk_tree"]
 
@@ -133,6 +135,7 @@ class LandingDesk:
             ).digest()
         )
         self._approver_key = approver_key
+        self.landing: set[str] = set()  # grants whose landing is running now (not journaled)
 
     # -- events -------------------------------------------------------------------
 
@@ -291,33 +294,51 @@ class LandingDesk:
         token: str,
         content: Callable[[str], bytes | None],
         emit: Emit,
-    ) -> dict[str, Any]:
-        """Apply an approved manifest entry by entry; the grant is used once it is done."""
+    ) -> JobBody:
+        """Apply an approved manifest entry by entry; the grant is used once it is done.
+
+        A job (slates.node.jobs): opening the target and writing each entry run
+        off the shard's loop, the entries' bytes are read from the volume on it
+        (one at a time, so a landing never holds more than one file's bytes).
+        While it runs, its grant cannot be used by another request."""
         self.check_grant(manifest.manifest_id, token)
+        if token in self.landing:
+            raise GrantInvalid("the grant is being used", manifest=manifest.manifest_id)
+        self.landing.add(token)
         outcomes: list[dict[str, Any]] = []
-        with self._target(manifest, lease=True) as target:
-            pending = order_for_apply(manifest.entries)
-            for index, entry in enumerate(pending):
-                try:
+        try:
+            target = yield Io(lambda: self._target(manifest, lease=True))
+            try:
+                pending = order_for_apply(manifest.entries)
+                for index, entry in enumerate(pending):
                     body = None
-                    if entry.proposed is not None and entry.proposed.kind != "dir":
-                        body = content(entry.path)
-                    done = target.land_entry(entry, body)
-                except (OSError, SlatesError) as exc:
-                    outcomes.append(_outcome(entry, "failed", None, reason=str(exc)))
-                    outcomes += [
-                        _outcome(e, "not attempted", None, reason=f"{entry.path} failed first")
-                        for e in pending[index + 1 :]
-                    ]
-                    break
-                word = {
-                    Decision.APPLY: "applied",
-                    Decision.IDENTICAL: "identical",
-                    Decision.CONFLICT: "conflict",
-                }[done.decision]
-                extra = {} if done.reason is None else {"reason": done.reason}
-                outcomes.append(_outcome(entry, word, done.disk, **extra))
-            target.finish()
+                    failed: Exception | None = None
+                    try:
+                        if entry.proposed is not None and entry.proposed.kind != "dir":
+                            body = content(entry.path)
+                    except SlatesError as exc:
+                        failed = exc
+                    if failed is None:
+                        done, failed = yield Io(functools.partial(_attempt, target, entry, body))
+                    if failed is not None:
+                        outcomes.append(_outcome(entry, "failed", None, reason=str(failed)))
+                        outcomes += [
+                            _outcome(e, "not attempted", None, reason=f"{entry.path} failed first")
+                            for e in pending[index + 1 :]
+                        ]
+                        break
+                    word = {
+                        Decision.APPLY: "applied",
+                        Decision.IDENTICAL: "identical",
+                        Decision.CONFLICT: "conflict",
+                    }[done.decision]
+                    extra = {} if done.reason is None else {"reason": done.reason}
+                    outcomes.append(_outcome(entry, word, done.disk, **extra))
+                yield Io(target.finish)
+            finally:
+                target.close()  # the lease goes with the fd; closing does not wait on the disk
+        finally:
+            self.landing.discard(token)
         emit(["grant_used", token])
         conflicts = sum(1 for o in outcomes if o["outcome"] == "conflict")
         complete = all(o["outcome"] in ("applied", "identical") for o in outcomes)
@@ -398,6 +419,16 @@ def _state(root: Root, ino: int, read: Callable[[Root, int], bytes]) -> State:
     if isinstance(body, FileBody):
         return state_of_bytes("file", read(root, ino), inode.mode)
     raise NotSupported(f"a {Kind(inode.kind).name.lower()} cannot be landed", ino=ino)
+
+
+def _attempt(
+    target: Target, entry: Entry, body: bytes | None
+) -> tuple[Applied | None, Exception | None]:
+    """Land one entry (in a worker thread): what it did, or why it failed."""
+    try:
+        return target.land_entry(entry, body), None
+    except (OSError, SlatesError) as exc:
+        return None, exc
 
 
 def _outcome(entry: Entry, outcome: str, disk: State | None, **extra: Any) -> dict[str, Any]:

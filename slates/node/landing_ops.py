@@ -37,6 +37,7 @@ from slates.land.manifest import Entry, Manifest, State, check_relative
 from slates.land.merge import Merged, Unmerged, merge_entry, needs_merge
 from slates.node.args import int_arg as _int_arg
 from slates.node.args import str_arg as _str_arg
+from slates.node.jobs import JobBody
 from slates.node.landing import LandingDesk
 
 if TYPE_CHECKING:
@@ -128,19 +129,22 @@ class LandingOps:
                 )
                 return {"grant": token, "manifest": self._manifest_ref(manifest.manifest_id)}
             case "land.apply":
-                manifest = self._manifest_arg(args)
-                result = self.service.desk.land(
-                    manifest,
-                    _str_arg(args, "grant"),
-                    lambda path: self._proposed_content(manifest, path),
-                    self.service._emit,
-                )
-                result["manifest"] = self._manifest_ref(manifest.manifest_id)
-                if result["complete"]:
-                    self._note_landed(manifest.source)
-                return result
+                return self._apply(self._manifest_arg(args), _str_arg(args, "grant"))
             case _:
                 raise InvalidArgument("unknown operation", op=op)
+
+    def _apply(self, manifest: Manifest, grant: str) -> JobBody:
+        """A landing, as a job: its disk writes run off the shard's loop (LandingDesk.land)."""
+        result: dict[str, Any] = yield from self.service.desk.land(
+            manifest,
+            grant,
+            lambda path: self._proposed_content(manifest, path),
+            self.service._emit,
+        )
+        result["manifest"] = self._manifest_ref(manifest.manifest_id)
+        if result["complete"]:
+            self._note_landed(manifest.source)
+        return result
 
     def _note_landed(self, source: str) -> None:
         """A green version landed whole: the green no longer holds unlanded work up to it."""
