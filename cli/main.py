@@ -28,6 +28,7 @@ import click
 from slates.errors import SlatesError
 
 from .commands import register
+from .fleet import fleet as fleet_group
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -374,6 +375,13 @@ def print_workspace_demo(observed: dict[str, Any], console: Console) -> None:
     default=None,
     help="A group (name or number) whose members, the agents' users, may reach the service.",
 )
+@click.option(
+    "--fleet",
+    metavar="CONFIG",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="Join a fleet of hosts (a JSON host configuration: see `slates fleet`).",
+)
 def anchor(
     runtime_dir: str | None,
     shards: int | None,
@@ -381,6 +389,7 @@ def anchor(
     daemon: bool,
     allow_roots: tuple[str, ...],
     agent_group: str | None,
+    fleet: str | None,
 ) -> None:
     """Start the service: shared memory, shards, supervision.
 
@@ -397,6 +406,7 @@ def anchor(
             daemon=daemon,
             allow_roots=allow_roots,
             agent_group=agent_group,
+            fleet=fleet,
         )
     except SlatesError as exc:
         _fail(exc)
@@ -433,6 +443,7 @@ def mcp_server(runtime_dir: str | None, token_file: str | None) -> None:
 
 
 register(main, _fail)
+main.add_command(fleet_group)
 
 
 if __name__ == "__main__":
