@@ -551,9 +551,11 @@ def gc(runtime_dir: str | None, as_json: bool) -> None:
         _echo_json(result)
         return
     pruned = sum(len(v) for v in result["pruned"].values())
+    reaped = result.get("reaped") or {"bridges": [], "mounts": []}
     click.echo(
         f"freed {format_bytes(result['freed_bytes'])}; pruned {pruned} versions; "
-        f"the host holds {format_bytes(result['host_physical_bytes'])}"
+        f"the host holds {format_bytes(result['host_physical_bytes'])}; "
+        f"reaped {len(reaped['bridges'])} orphaned bridges and {len(reaped['mounts'])} stale mounts"
     )
 
 

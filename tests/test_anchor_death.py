@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -99,3 +101,34 @@ def test_a_dead_anchor_is_reported_and_cleaned_up_by_the_next(tmp_path: Path) ->
             assert client.list_volumes() == []  # RAM is gone: nothing pretends otherwise
     finally:
         second.stop()
+
+
+def test_gc_reaps_an_orphaned_bridge_and_its_mount(service: Service, tmp_path: Path) -> None:
+    """A bridge of this runtime directory that serves no mount of the anchor's (started
+    by hand here, as one a dead anchor left would be) is killed, and its mount detached."""
+    with Client(service.runtime) as client:
+        volume = client.create_volume("orphan")["id"]
+        client.write(volume, "/f", b"x")
+        where = tmp_path / "orphan-mnt"
+        where.mkdir()
+        ready_read, ready_write = os.pipe()
+        orphan = subprocess.Popen(
+            [sys.executable, "-m", "slates.fuse.bridge", "--runtime-dir", str(service.runtime),
+             "--volume", volume, "--mountpoint", str(where), "--ready-fd", str(ready_write)],
+            pass_fds=(ready_write,),
+        )  # fmt: skip
+        os.close(ready_write)
+        with os.fdopen(ready_read, "rb") as ready:
+            assert ready.read(1) == b"1"
+        try:
+            assert (where / "f").read_bytes() == b"x"
+            assert client.status()["mounts"] == []  # the anchor knows nothing of it
+            reaped = client.gc()["reaped"]
+            assert reaped == {"bridges": [orphan.pid], "mounts": [str(where)]}
+            assert orphan.wait(timeout=30) != 0
+            assert not is_mounted(str(where))
+            assert client.gc()["reaped"] == {"bridges": [], "mounts": []}
+        finally:
+            if orphan.poll() is None:
+                orphan.kill()
+                orphan.wait()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import itertools
 import json
 import math
 import os
@@ -406,6 +407,10 @@ class Anchor:
                         principal=principal.label,
                     )
                 return self._unmount(path, force=force)
+            case "gc":
+                if not principal.is_operator:
+                    raise AccessDenied("only the operator collects", principal=principal.label)
+                return self._reap_orphans()
             case _:
                 raise InvalidArgument("unknown control operation")
 
@@ -572,6 +577,20 @@ class Anchor:
             again.restarts.append(now)
             _log(f"restarted the bridge for {path} (pid {again.process.pid})")
 
+    def _reap_orphans(self) -> dict[str, object]:
+        """`slates gc`: kill bridges of this runtime directory that serve no mount of ours
+        and detach their mounts, and detach mounts this anchor records whose bridge died."""
+        served = {m.process.pid for m in self.mounts.values()}
+        orphans = _orphan_bridges(self.runtime.path, served)
+        for pid in orphans:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stale = [d for d in orphans.values() if d and d not in self.mounts and is_mounted(d)]
+        for directory in stale:
+            self._clean_mountpoint(directory)
+        self._reap_bridges()  # our own dead bridges: their mounts restarted or cleaned
+        return {"bridges": sorted(orphans), "mounts": sorted(stale)}
+
     def _report_dead_predecessor(self) -> None:
         """An anchor that died took its volumes with its RAM: say so, with their names
         (from the shards' volume files), and clean the mounts and files it left."""
@@ -645,6 +664,25 @@ class Anchor:
                 os.close(fd)
         self.runtime.state_file.unlink(missing_ok=True)
         _log("anchor stopped")
+
+
+def _orphan_bridges(runtime: Path, served: set[int]) -> dict[int, str]:
+    """Bridges of this runtime directory that no mount of this anchor is served by
+    (a previous anchor's, or one whose start this anchor gave up on): pid -> mount point."""
+    found: dict[int, str] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) in served:
+            continue
+        try:
+            argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"slates.fuse.bridge" not in argv:
+            continue
+        options = dict(itertools.pairwise(argv))
+        if options.get(b"--runtime-dir") == os.fsencode(str(runtime)):
+            found[int(entry.name)] = os.fsdecode(options.get(b"--mountpoint", b""))
+    return found
 
 
 def _users_of(path: str) -> list[int]:

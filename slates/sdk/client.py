@@ -312,13 +312,17 @@ class AsyncClient:
         await self.call(shard_of(snapshot), "snapshot.delete", **args)
 
     async def gc(self) -> dict[str, Any]:
-        """Collect now on every serving shard: prune greens, free unused content."""
+        """Collect now on every serving shard (prune greens, free unused content) and at the
+        anchor (orphaned bridges and their stale mounts)."""
         total: dict[str, Any] = {"pruned": {}, "freed_bytes": 0, "host_physical_bytes": 0}
         for index in self._serving_shards():
             result = await self.call(index, "gc")
             total["pruned"].update(result["pruned"])
             total["freed_bytes"] += result["freed_bytes"]
             total["host_physical_bytes"] += result["host_physical_bytes"]
+        # The anchor's part: bridges of this runtime directory serving no mount of its own
+        # (killed), and their mounts (detached).
+        total["reaped"] = await self._anchor({"op": "gc"})
         return total
 
     async def mounts(self) -> list[dict[str, Any]]:
