@@ -301,6 +301,7 @@ STRATEGIES: dict[type[Event], st.SearchStrategy[Any]] = {
         numbers,
         numbers,
         numbers,
+        st.just(()) | st.tuples(numbers, numbers),
     ),
     RecordApplied: st.builds(RecordApplied, ids, st.binary(max_size=32)),
     VolumeCloned: st.builds(VolumeCloned, ids, names, ids, st.booleans(), numbers),
@@ -364,6 +365,7 @@ def test_the_wire_lists_keep_the_layout_journals_hold(
         made.uid,
         made.gid,
         made.time_ns,
+        list(made.base_identity),  # added since: the base directory's (dev, ino)
     ]
     wire = events.to_wire(version)
     assert wire[:5] == ["version", version.green, version.snapshot_id, version.base, version.work]

@@ -637,3 +637,33 @@ def test_the_target_identity_is_part_of_the_manifest_and_its_id() -> None:
     for bad in ([2, "snap-1", "/t", [], [1]], [2, "snap-1", "/t", [], [-1, 2]]):
         with pytest.raises(InvalidArgument):
             manifest_from_wire(bad)
+
+
+def test_a_base_swapped_after_its_volume_was_made_is_refused_at_replay(tmp_path: Path) -> None:
+    """The base is opened once when the volume is made and read through that open
+    directory; its (dev, ino) is journaled, so a restart that reopens the path refuses a
+    directory put there since instead of serving it."""
+    from slates.node.protocol import Request
+    from slates.node.service import ShardService
+    from tests.jobs_inline import finish
+
+    base = tmp_path / "project"
+    base.mkdir()
+    (base / "f").write_bytes(b"the project")
+    service = ShardService(0, Host(), LiveDirectory)
+    reply, events = finish(
+        service,
+        *service.handle("c", Request(1, 0, "volume.create", {"name": "v", "base": str(base)}), 1),
+    )
+    vid = reply["result"]["id"]
+    base.rename(tmp_path / "moved")
+    swapped = tmp_path / "project"
+    swapped.mkdir()
+    (swapped / "f").write_bytes(b"a secret")
+    # The running volume still reads the directory it was made over.
+    assert service._run("read", {"volume": vid, "path": "/f"}, 2) == b"the project"
+    restarted = ShardService(0, Host(chunks=dict(service.host._chunks)), LiveDirectory)
+    restarted.replay(events)
+    assert isinstance(restarted.failed[vid], AccessDenied)
+    with pytest.raises(SlatesError):
+        restarted._run("read", {"volume": vid, "path": "/f"}, 3)

@@ -91,6 +91,7 @@ class VolumeMade(Event):
     uid: int
     gid: int
     time_ns: int
+    base_identity: tuple[int, ...] = ()  # the base directory's (dev, ino) when it was made
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -125,6 +125,7 @@ class ShardService(ShardState):
         self.green_ops = GreenOps(self)
         self.landing = LandingOps(self)
         self._client = ""
+        self._principal = OPERATOR  # who asked the request being run
 
     # -- requests -------------------------------------------------------------
 
@@ -140,6 +141,7 @@ class ShardService(ShardState):
         self._events = []
         self.applied = []
         self._client = client
+        self._principal = principal
         bound = self.client_principals.get(client)
         if bound is not None and bound != principal.name:
             denied = AccessDenied("that client id belongs to another principal", client=client)
@@ -192,6 +194,7 @@ class ShardService(ShardState):
         self._events = []
         self.applied = []
         self._client = job.client
+        self._principal = job.principal
         return self._resume(job, outcome), self._take_events()
 
     def abandon(self, job: Job) -> list[Event]:
@@ -390,7 +393,6 @@ class ShardService(ShardState):
             return self._new_volume(name, None, capacity, case_insensitive, now)
         if not isinstance(base_path, str) or not base_path.startswith("/"):
             raise InvalidArgument("the base is an absolute directory path", base=str(base_path))
-        self._check_unprotected(base_path, "base")
         if not args.get("capture", False):
             return self._new_volume(name, base_path, capacity, case_insensitive, now)
         return self._capture(name, base_path, capacity, case_insensitive, args, now)
@@ -411,6 +413,7 @@ class ShardService(ShardState):
         mid-way, by recovery (`abandoned_captures`)."""
         protected = self.protected
         live = yield Io(lambda: LiveDirectory(base_path, protected=protected))
+        self._check_allowed(live)
         try:
             reader = yield Io(lambda: CaptureReader(live))
             scratch = self._new_volume(name + CAPTURE_SUFFIX, None, capacity, case_insensitive, now)
@@ -455,19 +458,44 @@ class ShardService(ShardState):
     def _new_volume(
         self, name: str, base_key: str | None, capacity: Capacity, ci: bool, now: int
     ) -> dict[str, Any]:
-        mode, uid, gid = 0o755, 0, 0
-        if base_key is not None:
-            top = self.open_base(base_key).stat("/")
+        """A volume, empty or over a base directory.  The base is opened here, once
+        (never on FUSE, never reaching the runtime directory, for an agent only under an
+        allowed root, judged by the opened directory's ancestors), and that very open
+        directory is what the volume reads; its (dev, ino) goes into the event, so a
+        restart reopening the path refuses another directory put there since."""
+        if base_key is None:
+            event = VolumeMade(
+                self._new_id("vol"), name, None, capacity.bounded, capacity.limit, ci,
+                0o755, 0, 0, now,
+            )  # fmt: skip
+            self._emit(event)
+            return self.info(event.vid)
+        base = LiveDirectory(base_key, protected=self.protected)
+        try:
+            self._check_allowed(base)
+            top = base.stat("/")
             if top is None or top.kind != Kind.DIR:
                 raise InvalidArgument("the base must be a directory", base=base_key)
-            mode, uid, gid = top.mode, top.uid, top.gid
-        vid = self._new_id("vol")
-        self._emit(
-            VolumeMade(
-                vid, name, base_key, capacity.bounded, capacity.limit, ci, mode, uid, gid, now
+            event = VolumeMade(
+                self._new_id("vol"), name, base_key, capacity.bounded, capacity.limit, ci,
+                top.mode, top.uid, top.gid, now, tuple(base.identity),
+            )  # fmt: skip
+            self.opening[base_key] = base
+            self._emit(event)  # the volume takes `base` from `opening`
+        finally:
+            if self.opening.pop(base_key, None) is base:
+                base.close()  # not taken: the event failed
+        return self.info(event.vid)
+
+    def _check_allowed(self, base: LiveDirectory) -> None:
+        """An agent's base lies under a root the operator allowed (by the open directory)."""
+        if not self._principal.is_operator and not base.anchor.lies_within(self.allow_roots):
+            base.close()
+            raise AccessDenied(
+                "an agent's base lies under a root the operator allowed (anchor --allow-root)",
+                base=base.root,
+                principal=self._principal.label,
             )
-        )
-        return self.info(vid)
 
     def _clone(self, args: dict[str, Any], capacity: Capacity | None = None) -> dict[str, Any]:
         self._check_name(_str_arg(args, "name"))

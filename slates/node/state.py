@@ -30,6 +30,7 @@ from slates.core.host import Host
 from slates.core.records import Record, TakeSnapshot, decode, encode
 from slates.core.volume import BaseReader, Capacity, Snapshot, Volume, chunk_ids
 from slates.errors import (
+    AccessDenied,
     InvalidArgument,
     MissingContent,
     SlatesError,
@@ -84,6 +85,8 @@ class ShardState:
         self.volumes: dict[str, Volume] = {}
         self.names: dict[str, str] = {}  # volume id -> name
         self.base_keys: dict[str, str | None] = {}
+        # Bases a request opened (once) for the volume it makes: its event takes them.
+        self.opening: dict[str, BaseReader] = {}
         self.snapshots: dict[str, Snapshot] = {}
         self.failed: dict[str, SlatesError] = {}  # volumes recovery could not rebuild
         self.results: dict[str, dict[int, dict[str, Any]]] = {}
@@ -174,6 +177,22 @@ class ShardState:
                 self._saw_id(event.vid)
         self.collect_garbage(force=True)
 
+    def _base_of(self, event: VolumeMade) -> BaseReader:
+        """The base a new volume reads: the one its request opened (`opening`), else the
+        directory at its path, which must still be the very directory it was made over."""
+        assert event.base_key is not None
+        reader = self.opening.pop(event.base_key, None) or self.open_base(event.base_key)
+        identity = getattr(reader, "identity", None)
+        if event.base_identity and identity is not None and tuple(identity) != event.base_identity:
+            close = getattr(reader, "close", None)
+            if close is not None:
+                close()
+            raise AccessDenied(
+                "the base directory is not the one the volume was made over",
+                base=event.base_key,
+            )
+        return reader
+
     def _apply_event(self, event: Event, *, live: bool) -> None:
         """Apply one event.  Records and resets take effect as they happen, so only
         replay applies them here; an event of any other kind is an error."""
@@ -182,7 +201,7 @@ class ShardState:
                 base_key = event.base_key
                 volume = Volume.new(
                     self.host,
-                    base=None if base_key is None else self.open_base(base_key),
+                    base=None if base_key is None else self._base_of(event),
                     capacity=Capacity(event.bounded, event.limit),
                     case_insensitive=event.case_insensitive,
                     mode=event.mode,
