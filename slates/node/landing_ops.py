@@ -269,7 +269,9 @@ class LandingOps:
             if path.strip("/"):
                 check_relative(path.strip("/"))
         green = vid if vid in self.service.greens else self.service.works.get(vid, ("", 0))[0]
-        identity = self.service._check_unprotected(target, "target")  # before any realpath
+        identity = self.service._check_unprotected(  # before any realpath
+            target, "target", agents_allowed_roots=vid not in self.service.greens
+        )
         source_dir = self.service.green_sources.get(green)
         if source_dir is not None and os.path.realpath(target) != source_dir:
             raise InvalidArgument(

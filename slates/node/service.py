@@ -548,8 +548,22 @@ class ShardService(ShardState):
             "host_physical_bytes": self.host.physical_bytes,
         }
 
-    def _check_unprotected(self, path: str, what: str) -> tuple[int, int]:
+    def _check_unprotected(
+        self, path: str, what: str, *, agents_allowed_roots: bool = False
+    ) -> tuple[int, int]:
         """Refuse a directory that is, holds or lies inside a protected one, or is on
-        FUSE (compared by (dev, ino), never entering a mount); returns its identity."""
+        FUSE (compared by (dev, ino), never entering a mount), and with
+        `agents_allowed_roots`, for an agent one outside the allowed roots (by the
+        opened directory's ancestors); returns its identity."""
         with Anchored(path, protected=self.protected, what=what) as anchor:
+            if (
+                agents_allowed_roots
+                and not self._principal.is_operator
+                and not anchor.lies_within(self.allow_roots)
+            ):
+                raise AccessDenied(
+                    f"an agent's {what} lies under a root the operator allowed",
+                    path=path,
+                    principal=self._principal.label,
+                )
             return anchor.identity
