@@ -157,3 +157,29 @@ def test_other_clients_are_answered_during_a_landing(tmp_path: Path) -> None:
             assert len(during) >= 5, (len(during), ended - started)
     finally:
         service.stop()
+
+
+def test_a_large_read_of_base_bytes_reads_the_disk_off_the_loop(tmp_path: Path) -> None:
+    """A read of unchanged base bytes this large is a job (the disk read in a worker
+    thread, then the read itself from memory); its bytes and its drift rules are the
+    read's as ever."""
+    from slates.errors import BaseDrift
+
+    base = tmp_path / "project"
+    base.mkdir()
+    data = os.urandom(8 << 20)
+    (base / "big.bin").write_bytes(data)
+    service = start_service(tmp_path / "run", shards=1, capacity="1GiB")
+    try:
+        with Client(service.runtime) as client:
+            vid = client.create_volume("over", base=str(base))["id"]
+            assert client.read(vid, "/big.bin") == data
+            client.write(vid, "/big.bin", b"X", offset=5)  # no longer wholly the base's
+            assert client.read(vid, "/big.bin") == data[:5] + b"X" + data[6:]
+            (base / "other.bin").write_bytes(data)
+            assert client.read(vid, "/other.bin") == data
+            (base / "other.bin").write_bytes(b"changed under the volume" + data[24:])
+            with pytest.raises(BaseDrift):
+                client.read(vid, "/other.bin")
+    finally:
+        service.stop()
