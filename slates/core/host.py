@@ -19,6 +19,19 @@ Capacity rules (product description, "Memory Limits and Shared Content"):
 Refusals raise CapacityExhausted before any effect is published; callers
 ask `admit` first and `charge` after.
 
+One pool for the host: a daemon host runs one Host per shard process, and
+`capacity` is the whole machine's, shared.  The Host is then given a pool
+(an injected object, like `chunks`, that follows the `Pool` protocol: in a
+daemon, slates.node.pool's shared-memory slots).  Admission counts what the
+other shards claim (`pool.others()`), and every change to this Host's own
+claim is published (`pool.publish(claimed_bytes)`) before the next
+admission.  A shard's claim is what it holds (`held_bytes`: physical bytes
+plus `overhead_bytes`, what the shard's journal and checkpoints hold, set
+by the shard) plus its bounded volumes' unused reservations.  Shards
+admitting at once can each overshoot by one request (slates.node.pool
+bounds it); the reserve absorbs that for dynamic growth.  A recovering
+shard joins the pool (`attach_pool`) only once it has rebuilt its state.
+
 Garbage: chunks are shared through persistent structures, so the host does
 not count references; `collect` keeps every chunk reachable from the roots
 it is given and frees the rest (called when a volume or snapshot is
@@ -34,7 +47,7 @@ import blake3
 
 from slates.errors import CapacityExhausted, InvalidArgument, MissingContent
 
-__all__ = ["Host", "Account", "chunk_id_of", "UNLIMITED"]
+__all__ = ["Host", "Account", "Pool", "chunk_id_of", "UNLIMITED"]
 
 UNLIMITED = 1 << 62
 
@@ -53,12 +66,25 @@ class Account(Protocol):
     def charged_bytes(self) -> int: ...
 
 
+class Pool(Protocol):
+    """The host-wide capacity pool other shards publish into (slates.node.pool.HostPool)."""
+
+    def others(self) -> int:
+        """Bytes every other shard claims now."""
+        ...
+
+    def publish(self, used: int) -> None:
+        """Make this shard's claim visible to the others."""
+        ...
+
+
 class Host:
     def __init__(
         self,
         capacity: int = UNLIMITED,
         reserve: int | None = None,
         chunks: MutableMapping[bytes, bytes] | None = None,
+        pool: Pool | None = None,
     ) -> None:
         if capacity <= 0:
             raise InvalidArgument("host capacity must be positive", capacity=capacity)
@@ -74,7 +100,12 @@ class Host:
         self.chunk_bytes = sum(len(self._chunks[cid]) for cid in self._chunks)
         self.private_bytes = 0  # page buffers, metadata and in-flight buffers of all volumes
         self.snapshot_metadata_bytes = 0  # metadata volumes handed to their snapshots
+        self.overhead_bytes = 0  # what the shard holds outside these counters (journal, ...)
         self._accounts: list[Account] = []
+        self._bounded: list[Account] = []  # walked on every publish: only the bounded ones
+        self._pool = pool
+        self._published = -1
+        self._publish()
 
     # -- chunks -------------------------------------------------------------
 
@@ -85,6 +116,7 @@ class Host:
             return chunk_id, False
         self._chunks[chunk_id] = bytes(data)
         self.chunk_bytes += len(data)
+        self._publish()
         return chunk_id, True
 
     def get_chunk(self, chunk_id: bytes) -> bytes:
@@ -110,6 +142,7 @@ class Host:
         for cid in dead:
             freed += len(self._chunks.pop(cid))
         self.chunk_bytes -= freed
+        self._publish()
         return freed
 
     # -- capacity -----------------------------------------------------------
@@ -117,6 +150,43 @@ class Host:
     @property
     def physical_bytes(self) -> int:
         return self.chunk_bytes + self.private_bytes + self.snapshot_metadata_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """What this Host's process holds for it: counted bytes plus the shard's overhead."""
+        return self.physical_bytes + self.overhead_bytes
+
+    @property
+    def claimed_bytes(self) -> int:
+        """This Host's claim on the pool: what it holds and what it has promised."""
+        return self.held_bytes + self._unused_reservations()
+
+    def set_overhead(self, nbytes: int) -> None:
+        """The shard's bytes outside the counters (journal, checkpoints): counted in
+        admission and published, so the pool sees what the process really holds."""
+        if nbytes < 0:
+            raise InvalidArgument("overhead bytes cannot be negative", overhead=nbytes)
+        self.overhead_bytes = nbytes
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._pool is None:
+            return
+        claimed = self.claimed_bytes
+        if claimed != self._published:  # one store per change, none for a no-op
+            self._pool.publish(claimed)
+            self._published = claimed
+
+    def attach_pool(self, pool: Pool) -> None:
+        """Join the host's pool now (a shard does so once it has recovered: until then
+        its slot keeps its predecessor's figure, which the segments still hold)."""
+        if self._pool is not None:
+            raise InvalidArgument("this host already belongs to a pool")
+        self._pool = pool
+        self._publish()
+
+    def _others(self) -> int:
+        return 0 if self._pool is None else self._pool.others()
 
     def hand_over_metadata(self, nbytes: int) -> None:
         """A snapshot now holds inodes a volume created: keep counting their metadata.
@@ -126,18 +196,24 @@ class Host:
         """
         self.charge(-nbytes)
         self.snapshot_metadata_bytes += nbytes
+        self._publish()
+
+    def recount_snapshot_metadata(self, nbytes: int) -> None:
+        """Set the metadata snapshots hold to a collection's count of it (the inodes
+        reachable from snapshots and no live volume's own): deleted snapshots' inodes
+        then leave the counters, which `hand_over_metadata` alone never lets them do."""
+        if nbytes < 0:
+            raise InvalidArgument("snapshot metadata cannot be negative", metadata=nbytes)
+        self.snapshot_metadata_bytes = nbytes
+        self._publish()
 
     def _unused_reservations(self, excluding: Account | None = None) -> int:
-        return sum(
-            max(0, a.limit - a.charged_bytes)
-            for a in self._accounts
-            if a.bounded and a is not excluding
-        )
+        return sum(max(0, a.limit - a.charged_bytes) for a in self._bounded if a is not excluding)
 
     def open_account(self, account: Account) -> None:
         """Register a volume; a bounded one must fit its whole quota now."""
         if account.bounded:
-            room = self.capacity - self.reserve - self.physical_bytes - self._unused_reservations()
+            room = self.capacity - self.reserve - self.claimed_bytes - self._others()
             if account.limit > room:
                 raise CapacityExhausted(
                     "the host cannot reserve the requested quota",
@@ -145,9 +221,14 @@ class Host:
                     available=max(0, room),
                 )
         self._accounts.append(account)
+        if account.bounded:
+            self._bounded.append(account)
+        self._publish()
 
     def close_account(self, account: Account) -> None:
         self._accounts = [a for a in self._accounts if a is not account]
+        self._bounded = [a for a in self._bounded if a is not account]
+        self._publish()
 
     def admit(self, account: Account, nbytes: int) -> None:
         """Raise CapacityExhausted unless `account` may grow by `nbytes` now."""
@@ -160,17 +241,22 @@ class Host:
                 charged=account.charged_bytes,
                 limit=account.limit,
             )
+        # Other shards' claims include their unused reservations: a bounded volume
+        # growing inside its own quota still fits, since its reservation is in
+        # this Host's claim and the claims were admitted below the capacity.
+        others = self._others()
         if account.bounded:
             ceiling = self.capacity
-            used = self.physical_bytes
+            used = self.held_bytes + others
         else:
             ceiling = self.capacity - self.reserve
-            used = self.physical_bytes + self._unused_reservations()
+            used = self.claimed_bytes + others
         if used + nbytes > ceiling:
             raise CapacityExhausted(
                 "the host has no room for this operation",
                 requested=nbytes,
                 physical=self.physical_bytes,
+                others=others,
                 capacity=self.capacity,
             )
 
@@ -179,3 +265,4 @@ class Host:
         self.private_bytes += nbytes
         if self.private_bytes < 0:
             raise RuntimeError("host private byte count went negative")
+        self._publish()

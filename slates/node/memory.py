@@ -1,0 +1,182 @@
+"""What the host really holds, read from the kernel; and the segments' default sizes.
+
+Theory of operation: counters are honest when they come from what the
+kernel says a process and its segments hold, not from what the code meant
+to allocate.  Three readers and one rule live here:
+
+- `segment_bytes(fd)`: the pages a memfd holds now (fstat st_blocks * 512).
+  A memfd is sparse: its size is virtual, untouched or punched pages
+  (MADV_REMOVE) cost nothing, so this is the segment's physical memory.
+- `process_memory(pid)`: resident memory of a process from
+  /proc/PID/smaps_rollup (rss, anon, shmem; shmem is the part of rss that
+  maps shared memory, such as these segments), or /proc/PID/status
+  (VmRSS, RssAnon, RssShmem) where smaps_rollup is missing.
+- `shard_memory(journal_fd, checkpoint_fd, arena_fd)`: one shard's figures,
+  for its status: the three segments' allocated bytes and its heap (this
+  process's anonymous resident memory: the Python objects, page buffers
+  and indexes that are not in a segment).  Shared pages are counted once,
+  by the segment, never again in a process's rss.
+- `trim_heap()`: give the heap's free pages back to the kernel (glibc's
+  malloc_trim(0)).  A shard's page buffers are many small allocations; once
+  freed, malloc keeps their pages for reuse and the process's anonymous
+  RSS stays high after its volumes are gone (measured by
+  bench/soak_bench.py --probe-trim: a shard's heap of 130 MiB after the
+  agents' volumes were deleted came down to 63 MiB).  The shard calls it
+  after collections and checkpoints that freed much.
+- `default_segment_sizes(capacity, shards, ram_bytes)`: the virtual sizes
+  the anchor gives each shard's segments.  The rule:
+    * the pool the host may fill is C = min(capacity, RAM);
+    * all shards' segments together reserve at most RAM: each shard has a
+      budget of RAM // shards;
+    * the journal gets JOURNAL_BYTES (room for a checkpoint trigger's worth
+      of frames and one largest request after it), or a quarter of the
+      budget if that is smaller;
+    * the rest is split one third arena, two thirds checkpoint (two slots,
+      each as large as the arena, since a checkpoint carries a shard's
+      private pages); each is capped by what the pool can hold: the arena
+      at C, a slot at C.  One shard may thus hold the whole pool when the
+      budget allows (C <= (RAM // shards - journal) / 3), and otherwise a
+      third of its budget; filling a segment is CapacityExhausted.
+  Every size is a multiple of the page size.
+
+Callers: the anchor (default sizes; pool creation), the shard (status),
+bench/soak_bench.py (the same readers, from outside).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import mmap
+import os
+from collections.abc import Callable
+
+from slates.errors import InvalidArgument, NotFound
+
+__all__ = [
+    "JOURNAL_BYTES",
+    "SegmentSizes",
+    "default_segment_sizes",
+    "process_memory",
+    "ram_bytes",
+    "segment_bytes",
+    "shard_memory",
+    "trim_heap",
+]
+
+PAGE = mmap.PAGESIZE
+# A checkpoint is taken once the journal passes 64 MiB (slates.node.shard), between
+# requests, and one request's frame is at most 64 MiB (protocol.MAX_FRAME) plus its
+# envelope: 192 MiB holds both with room.
+JOURNAL_BYTES = 192 << 20
+_SMAPS_KEYS = {"Rss": "rss", "Anonymous": "anon", "Shmem": "shmem"}
+_STATUS_KEYS = {"VmRSS": "rss", "RssAnon": "anon", "RssShmem": "shmem"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SegmentSizes:
+    """Virtual sizes of one shard's three segments, in bytes."""
+
+    journal: int
+    checkpoint: int
+    arena: int
+
+    @property
+    def total(self) -> int:
+        return self.journal + self.checkpoint + self.arena
+
+
+def _pages_down(nbytes: int) -> int:
+    return nbytes // PAGE * PAGE
+
+
+def default_segment_sizes(capacity: int, shards: int, ram_bytes: int) -> SegmentSizes:
+    """Each shard's segment sizes: together under `ram_bytes` (the rule is in the docstring)."""
+    if capacity <= 0 or shards < 1 or ram_bytes <= 0:
+        raise InvalidArgument(
+            "segment sizes need a positive capacity, RAM and shard count",
+            capacity=capacity,
+            shards=shards,
+            ram=ram_bytes,
+        )
+    pool = min(capacity, ram_bytes)
+    budget = _pages_down(ram_bytes // shards)
+    journal = _pages_down(min(JOURNAL_BYTES, budget // 4))
+    third = _pages_down((budget - journal - 2 * PAGE) // 3)  # two header pages
+    if journal < 2 * PAGE or third < 2 * PAGE:
+        raise InvalidArgument(
+            "too little RAM per shard for its segments", ram=ram_bytes, shards=shards
+        )
+    slot = min(_pages_down(pool) or PAGE, third)
+    # The checkpoint segment's first page is its header; then two slots.
+    return SegmentSizes(journal=journal, checkpoint=PAGE + 2 * slot, arena=PAGE + slot)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        function = ctypes.CDLL(None).malloc_trim
+    except AttributeError:  # not glibc: nothing to trim with
+        return None
+    function.argtypes = [ctypes.c_size_t]
+    function.restype = ctypes.c_int
+    trim: Callable[[int], int] = function
+    return trim
+
+
+def trim_heap() -> bool:
+    """Return the heap's free pages to the kernel; whether any went back (False off glibc)."""
+    function = _malloc_trim()
+    return function is not None and bool(function(0))
+
+
+def ram_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def segment_bytes(fd: int) -> int:
+    """The bytes a memfd holds in memory now (allocated pages, not its virtual size)."""
+    return os.fstat(fd).st_blocks * 512
+
+
+def _read_kib(path: str, keys: dict[str, str]) -> dict[str, int]:
+    found: dict[str, int] = {}
+    with open(path, encoding="ascii", errors="replace") as lines:
+        for line in lines:
+            name, _, rest = line.partition(":")
+            key = keys.get(name)
+            if key is not None:
+                fields = rest.split()
+                if fields and fields[0].isdigit():
+                    found[key] = int(fields[0]) * 1024  # the kernel writes kB (KiB)
+    return found
+
+
+def process_memory(pid: int) -> dict[str, int]:
+    """Resident memory of `pid`: {"rss", "anon", "shmem"} in bytes (NotFound if it is gone)."""
+    try:
+        try:
+            found = _read_kib(f"/proc/{pid}/smaps_rollup", _SMAPS_KEYS)
+        except FileNotFoundError:
+            found = {}
+        if len(found) < len(_SMAPS_KEYS):
+            found = _read_kib(f"/proc/{pid}/status", _STATUS_KEYS)
+    except (FileNotFoundError, ProcessLookupError):
+        raise NotFound("no such process", pid=pid) from None
+    if len(found) < len(_STATUS_KEYS):  # a zombie, or a kernel thread: nothing resident
+        return {"rss": 0, "anon": 0, "shmem": 0}
+    return found
+
+
+def shard_memory(journal_fd: int, checkpoint_fd: int, arena_fd: int) -> dict[str, int]:
+    """This shard's memory: its segments' allocated bytes and its own heap, and their sum."""
+    figures = {
+        "arena": segment_bytes(arena_fd),
+        "journal": segment_bytes(journal_fd),
+        "checkpoints": segment_bytes(checkpoint_fd),
+        "heap": process_memory(os.getpid())["anon"],
+    }
+    figures["total"] = sum(figures.values())
+    return figures
