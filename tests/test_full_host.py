@@ -51,7 +51,7 @@ def _wait_restarted(service: Service, index: int, old_pid: int) -> None:
 def test_a_full_host_refuses_new_work_serves_the_rest_and_survives_a_shard_kill(
     tmp_path: Path,
 ) -> None:
-    service = start_service(tmp_path / "run", shards=2, capacity="96MiB")
+    service = start_service(tmp_path / "run", shards=2, capacity="160MiB")
     try:
         with Client(service.runtime) as client:
             volumes: dict[str, str] = {}
@@ -66,8 +66,11 @@ def test_a_full_host_refuses_new_work_serves_the_rest_and_survives_a_shard_kill(
             # Full: new content is refused everywhere, with its error.
             with pytest.raises(CapacityExhausted):
                 client.write(full, "/one-more", os.urandom(PIECE))
-            with pytest.raises(CapacityExhausted):
-                client.snapshot(full)
+            with pytest.raises(CapacityExhausted):  # one pool: the other shard is full too
+                client.write(other, "/one-more", os.urandom(PIECE))
+            with pytest.raises(CapacityExhausted):  # a quota cannot be reserved either
+                client.create_volume("quota", bounded=80 << 20)
+            sealed = client.snapshot(full)  # sealing needs no free space: it moves what is there
             # In a mount too: ENOSPC, and the mount still reads.
             where = tmp_path / "mnt"
             where.mkdir()
@@ -92,8 +95,10 @@ def test_a_full_host_refuses_new_work_serves_the_rest_and_survives_a_shard_kill(
             assert len(client.read(full, "/f1")) == PIECE
             for n in range(written):
                 client.unlink(full, f"/f{n}")
+            client.delete_snapshot(sealed)  # it held every byte
             # The space came back: new work is admitted again.
-            assert _fill(client, full, "again", limit=8) == 8
-            client.snapshot(full)
+            for n in range(8):
+                client.write(full, f"/again{n}", os.urandom(PIECE))
+            client.create_volume("quota", bounded=16 << 20)
     finally:
         service.stop()

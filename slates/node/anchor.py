@@ -46,6 +46,8 @@ from slates.errors import (
     error_from_wire,
 )
 from slates.node.journal import create_segment
+from slates.node.memory import default_segment_sizes, ram_bytes
+from slates.node.pool import HostPool
 from slates.node.principals import OPERATOR, Agents, Principal
 from slates.node.protocol import MAX_TOKEN, FrameReader, frame, pack, unpack
 from slates.node.runtime import AnchorState, MountInfo, Runtime, ShardInfo, pid_alive
@@ -54,8 +56,6 @@ __all__ = [
     "Anchor",
     "MAX_RESTARTS",
     "RESTART_WINDOW",
-    "JOURNAL_SIZE",
-    "CHECKPOINT_SIZE",
     "parse_size",
     "run_anchor",
     "is_mounted",
@@ -70,8 +70,6 @@ _UCRED = struct.Struct("3i")
 CONTROL_SECONDS = 2.0
 MAX_CONTROL_FRAME = 64 << 10  # control requests are small
 BRIDGE_START_SECONDS = 60.0
-JOURNAL_SIZE = 4 << 30  # virtual sizes: memfds are sparse
-CHECKPOINT_SIZE = 8 << 30
 
 _UNITS = {
     "": 1,
@@ -167,6 +165,8 @@ class Anchor:
         self.link: subprocess.Popen[bytes] | None = None
         self.link_starts: deque[float] = deque()
         self.link_failed = False
+        self.pool: HostPool | None = None  # the host's capacity, shared by the shards
+        self.pool_fd = -1
 
     def _open_to_agents(self, path: Path) -> None:
         if self.agent_group is None:
@@ -199,13 +199,16 @@ class Anchor:
                 pid=state.pid,
                 runtime_dir=str(self.runtime.path),
             )
-        arena_size = max(self.capacity, 1 << 30)
+        # Virtual sizes (memfds are sparse), derived from the capacity and the machine's RAM.
+        sizes = default_segment_sizes(self.capacity, self.shard_count, ram_bytes())
+        self.pool, self.pool_fd = HostPool.create(self.capacity, self.shard_count)
+        os.set_inheritable(self.pool_fd, True)
         for index in range(self.shard_count):
             listener = self._listen(index)
             fds = (
-                create_segment(f"slates-journal-{index}", JOURNAL_SIZE),
-                create_segment(f"slates-checkpoint-{index}", CHECKPOINT_SIZE),
-                create_segment(f"slates-arena-{index}", arena_size),
+                create_segment(f"slates-journal-{index}", sizes.journal),
+                create_segment(f"slates-checkpoint-{index}", sizes.checkpoint),
+                create_segment(f"slates-arena-{index}", sizes.arena),
                 listener.detach(),
             )
             for fd in fds:
@@ -228,11 +231,12 @@ class Anchor:
             "--checkpoint-fd", str(checkpoint),
             "--arena-fd", str(arena),
             "--listen-fd", str(listen),
-            "--capacity", str(self.capacity // self.shard_count),
+            "--capacity", str(self.capacity),  # one pool for the host: see --pool-fd
+            "--pool-fd", str(self.pool_fd),
             "--approver-key", str(self.runtime.approver_key_file),
             *(arg for root in self.allow_roots for arg in ("--allow-root", root)),
         ]  # fmt: skip
-        slot.process = subprocess.Popen(command, pass_fds=slot.fds)
+        slot.process = subprocess.Popen(command, pass_fds=(*slot.fds, self.pool_fd))
 
     def _publish(self) -> None:
         shards = tuple(
@@ -662,6 +666,9 @@ class Anchor:
             self.runtime.shard_socket(slot.index).unlink(missing_ok=True)
             for fd in slot.fds:
                 os.close(fd)
+        if self.pool is not None:
+            self.pool.close()
+            os.close(self.pool_fd)
         self.runtime.state_file.unlink(missing_ok=True)
         _log("anchor stopped")
 

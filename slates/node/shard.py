@@ -68,6 +68,8 @@ from slates.node.arena import ArenaChunks
 from slates.node.events import Event, from_wire, to_wire
 from slates.node.jobs import Io, Job, Outcome, Sent, Thrown
 from slates.node.journal import Checkpoints, Journal, Segment
+from slates.node.memory import segment_bytes, shard_memory, trim_heap
+from slates.node.pool import HostPool
 from slates.node.principals import Agents, Principal, authorize
 from slates.node.protocol import (
     MAX_FRAME,
@@ -84,7 +86,7 @@ from slates.node.protocol import (
 )
 from slates.node.ring import RingPair
 from slates.node.runtime import Runtime
-from slates.node.service import ShardService
+from slates.node.service import READ_ONLY_OPS, ShardService
 
 __all__ = [
     "Shard",
@@ -99,7 +101,7 @@ __all__ = [
 # or events since the last one (both bound the time replay takes), or private bytes
 # freed since (deleted pages must not live on in the checkpoint and journal).
 CHECKPOINT_EVERY_BYTES = int(os.environ.get("SLATES_CHECKPOINT_BYTES", 64 << 20))
-CHECKPOINT_EVERY_EVENTS = int(os.environ.get("SLATES_CHECKPOINT_EVENTS", 50_000))
+CHECKPOINT_EVERY_EVENTS = int(os.environ.get("SLATES_CHECKPOINT_EVENTS", 20_000))
 CHECKPOINT_FREED_BYTES = int(os.environ.get("SLATES_CHECKPOINT_FREED_BYTES", 64 << 20))
 MAX_CONNECTIONS = 256
 # Requests that make or delete volumes: the names file is written after them.
@@ -123,6 +125,11 @@ MIN_APPROVER_KEY = 32  # bytes: a shorter (an empty) credential approves nothing
 # mount's 1 MiB reads and writes with their envelope, so only SDK calls
 # larger than 2 MiB travel on the socket.
 RING_CAPACITY = 4 << 20
+TRIM_BYTES = 16 << 20  # private bytes let go before freed heap goes back to the host
+JOURNAL_HEADROOM = (64 << 20) + (1 << 20)  # room for the largest frame, kept for deletions
+# What a nearly full journal still takes: requests that let go of memory.
+RELEASING_OPS = frozenset({"volume.delete", "snapshot.delete", "gc", "unlink", "rmdir", "bye"})
+RELEASING_OPS |= frozenset({"fs.unlink", "fs.rmdir", "fs.forget", "fs.destroy", "truncate"})
 IO_THREADS = 4  # worker threads for long requests' I/O (captures, landings), per shard
 _UCRED = struct.Struct("3i")
 
@@ -173,6 +180,10 @@ class Shard:
         self.runtime = Runtime(protected[0]) if protected else None
         self.usage: dict[str, _Usage] = {}
         self.io_threads = trio.CapacityLimiter(IO_THREADS)  # jobs' I/O off the loop
+        self.segment_fds = (journal_fd, checkpoint_fd, arena_fd)
+        # Room kept for deletions and the largest frame (a small segment keeps a quarter).
+        self.journal_headroom = min(JOURNAL_HEADROOM, self.journal.segment.size // 4)
+        self.trim_mark = 0  # the most private bytes held since the heap was last trimmed
         self.events_since = 0  # events committed since the last checkpoint
         self.private_peak = 0  # the most private bytes held since the last checkpoint
 
@@ -211,21 +222,50 @@ class Shard:
             )
         self.events_since = replayed  # the journal holds them until the next checkpoint
         self.private_peak = self.host.private_bytes
+        self._account_segments()
         return replayed
 
+    def memory(self) -> dict[str, int]:
+        """What this shard really holds: arena, journal and checkpoint pages, and heap."""
+        return shard_memory(*self.segment_fds)
+
+    def _account_segments(self) -> None:
+        """The journal's and checkpoints' pages count against the host's capacity."""
+        journal, checkpoints, _arena = self.segment_fds
+        self.host.set_overhead(segment_bytes(journal) + segment_bytes(checkpoints))
+
+    def _trim(self) -> None:
+        """Give freed heap back to the host once enough private bytes were let go."""
+        self.trim_mark = max(self.trim_mark, self.host.private_bytes)
+        if self.trim_mark - self.host.private_bytes > TRIM_BYTES:
+            trim_heap()
+            self.trim_mark = self.host.private_bytes
+
     def checkpoint(self) -> None:
+        """Publish a checkpoint and start the journal's next generation.  One that does
+        not fit its segment is skipped (logged): the journal keeps everything, and the
+        shard goes on serving, refusing new work once the journal is short of room."""
         generation = self.journal.generation + 1
-        self.checkpoints.write(generation, self.service.checkpoint())
+        try:
+            self.checkpoints.write(generation, self.service.checkpoint())
+        except CapacityExhausted as exc:
+            _log(f"cannot checkpoint ({exc}); the journal keeps every event")
+            return
         self.journal.start_generation(generation)
         self.events_since = 0
         self.private_peak = self.host.private_bytes
+        self._account_segments()
 
     def _checkpoint_due(self) -> bool:
         self.private_peak = max(self.private_peak, self.host.private_bytes)
         return (
-            self.journal.committed > CHECKPOINT_EVERY_BYTES
+            self.journal.room < self.journal_headroom
+            or self.journal.committed > CHECKPOINT_EVERY_BYTES
             or self.events_since > CHECKPOINT_EVERY_EVENTS
-            or self.private_peak - self.host.private_bytes > CHECKPOINT_FREED_BYTES
+            # Freed bytes wait in the journal and the old checkpoint, counted against the
+            # host, until the next checkpoint: a small host cannot wait for 64 MiB.
+            or self.private_peak - self.host.private_bytes
+            > min(CHECKPOINT_FREED_BYTES, self.host.capacity // 16)
         )
 
     def commit(self, events: list[Event]) -> None:
@@ -241,6 +281,7 @@ class Shard:
             _log(f"cannot commit to the journal ({exc}); exiting so recovery drops the change")
             os._exit(3)
         _failpoint_after_commit()
+        self._account_segments()
 
     def handle(self, hello: Hello, message: bytes) -> bytes | Job:
         """One request's packed reply, or the job a long request became (see answer)."""
@@ -250,6 +291,14 @@ class Shard:
             return pack(error_reply(0, exc))
         if self._checkpoint_due():
             self.checkpoint()  # between requests: the state is exactly the journal's
+        if self.journal.room < self.journal_headroom and request.op not in RELEASING_OPS:
+            # Near full even after a checkpoint: refuse new work, keep reads and deletes.
+            full = CapacityExhausted(
+                "the journal is nearly full: delete volumes or snapshots to make room",
+                room=self.journal.room,
+            )
+            if request.op not in READ_ONLY_OPS:
+                return pack(error_reply(request.seq, full))
         reply, events = self.service.handle(
             hello.client, request, time.time_ns(), Principal(hello.principal)
         )
@@ -296,6 +345,9 @@ class Shard:
         if request.op in NAMING_OPS:
             self.write_names()
         self.service.collect_garbage()
+        self._trim()
+        if request.op == "status" and isinstance(reply.get("result"), dict):
+            reply["result"]["memory"] = self.memory()
         for vid, notes in invalidations(self.service.applied).items():
             self.pending.setdefault(vid, []).extend(notes)
         for vid, notes in self.service.take_moved().items():
@@ -612,6 +664,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arena-fd", type=int, required=True)
     parser.add_argument("--listen-fd", type=int, required=True)
     parser.add_argument("--capacity", type=int, required=True)
+    parser.add_argument("--pool-fd", type=int, default=None, help="the host's capacity pool")
     parser.add_argument("--approver-key", default=None, help="the approver credential file")
     parser.add_argument(
         "--allow-root", action="append", default=[], help="where agents' bases may lie"
@@ -640,6 +693,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     replayed = shard.recover()
     shard.commit(shard.service.abandoned_captures())  # the last shard's unfinished jobs
+    if args.pool_fd is not None:  # only now: until recovered, its slot keeps the old figure
+        shard.host.attach_pool(HostPool.attach(args.pool_fd, args.index))
     shard.write_names()
     _log(
         f"shard {args.index} recovered {len(shard.service.volumes)} volumes, "
