@@ -41,6 +41,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 from slates.errors import (
     InvalidArgument,
     NotFound,
+    NotSupported,
     SnapshotBarrierFailed,
     VerificationFailed,
 )
@@ -91,6 +92,7 @@ class AsyncClient:
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         self.rings = rings
         self.token = token if token is not None else os.environ.get("SLATES_TOKEN") or None
+        self._forwarder: Any = None  # slates.fleet.link_client.Forwarder, made on first use
         self._transport: Transport | None = None  # Client sets the blocking one before opening
         self._shard_count = 0
 
@@ -130,7 +132,33 @@ class AsyncClient:
         return await transport.request(shard, op, args)
 
     async def _on(self, object_id: str, op: str, **args: Any) -> Any:
+        if "@" in object_id:  # "<id>@<host>": a volume whose original owner is another host
+            return await self._forward(object_id, op, args)
         return await self.call(shard_of(object_id), op, **args)
+
+    async def _forward(self, object_id: str, op: str, args: dict[str, Any]) -> Any:
+        """A request for another host's volume, through this host's fleet link (which
+        keeps its request identity across resends and follows NotOwner).  AsyncClient
+        only, this session: the link's client is trio's."""
+        from slates.fleet.link_client import Forwarder, link_socket
+        from slates.fleet.link_rules import fleet_name, split_fleet_name
+
+        host, local_id = split_fleet_name(object_id)
+        if self.token is not None:
+            raise NotSupported("an agent's requests do not travel between hosts yet", host=host)
+        if self._forwarder is None:
+            self._forwarder = Forwarder(self.client_id, link_socket(self.runtime.path))
+        suffix = "@" + host  # the other host's shard knows its own ids only
+        local_args = {
+            key: value[: -len(suffix)]
+            if isinstance(value, str) and value.endswith(suffix)
+            else value
+            for key, value in args.items()
+        }
+        result = await self._forwarder.request(host, shard_of(local_id), op, local_args)
+        if isinstance(result, dict) and isinstance(result.get("id"), str):
+            result = {**result, "id": fleet_name(host, result["id"])}  # ids keep their host
+        return result
 
     def _home(self, name: str) -> int:
         """The shard a new volume named `name` goes to (its name's BLAKE3 hash)."""
