@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import importlib.util
 import json
 import os
@@ -49,6 +50,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 if importlib.util.find_spec("slates") is None:  # run from a checkout, not installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -315,11 +317,10 @@ def _agent(
 
 
 def _plot(samples: list[Sample], path: Path, title: str) -> str:
-    try:
-        import matplotlib
-
+    try:  # an optional dependency of this benchmark alone: loaded by name, typed Any
+        matplotlib: Any = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt: Any = importlib.import_module("matplotlib.pyplot")
     except ImportError:
         return "matplotlib is not installed (`.venv/bin/pip install matplotlib`): no plot"
     minutes = [s.at / 60 for s in samples]
