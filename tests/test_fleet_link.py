@@ -261,6 +261,22 @@ async def test_create_write_read_on_the_other_host(pair: Pair) -> None:
         assert [v["name"] for v in await client_b.list_volumes()].count(name) == 1
 
 
+async def test_the_sdk_reaches_a_volume_of_another_host_by_its_fleet_name(pair: Pair) -> None:
+    """An AsyncClient on hA's anchor names hB's volume "<id>@hB": its requests go through
+    hA's link to hB's shard, and ids in results keep their host."""
+    import slates
+
+    async with slates.AsyncClient(pair.hosts["hB"].runtime) as client_b:
+        made = await client_b.create_volume(f"sdk-{uuid.uuid4().hex[:6]}")
+    remote = f"{made['id']}@hB"
+    async with slates.AsyncClient(pair.hosts["hA"].runtime) as client_a:
+        await client_a.write(remote, "/from-a", b"written from hA")
+        assert await client_a.read(remote, "/from-a") == b"written from hA"
+        assert [e["name"] for e in await client_a.list(remote, "/")] == ["from-a"]
+    async with slates.AsyncClient(pair.hosts["hB"].runtime) as client_b:
+        assert await client_b.read(made["id"], "/from-a") == b"written from hA"
+
+
 async def test_concurrent_forwards_from_many_clients(pair: Pair) -> None:
     names = [f"many-{i}-{uuid.uuid4().hex[:6]}" for i in range(16)]
     made: dict[str, str] = {}
@@ -640,19 +656,3 @@ def test_holders_are_odd_distinct_and_start_with_the_owner(
         live_hosts = {r.host for r in live}
         chosen_live = sum(c.peer.host in live_hosts for c in candidates[1:])
         assert chosen_live == min(2, len(live_domains))
-
-
-async def test_the_sdk_reaches_a_volume_of_another_host_by_its_fleet_name(pair: Pair) -> None:
-    """An AsyncClient on hA's anchor names hB's volume "<id>@hB": its requests go through
-    hA's link to hB's shard, and ids in results keep their host."""
-    import slates
-
-    async with slates.AsyncClient(pair.hosts["hB"].runtime) as client_b:
-        made = await client_b.create_volume(f"sdk-{uuid.uuid4().hex[:6]}")
-    remote = f"{made['id']}@hB"
-    async with slates.AsyncClient(pair.hosts["hA"].runtime) as client_a:
-        await client_a.write(remote, "/from-a", b"written from hA")
-        assert await client_a.read(remote, "/from-a") == b"written from hA"
-        assert [e["name"] for e in await client_a.list(remote, "/")] == ["from-a"]
-    async with slates.AsyncClient(pair.hosts["hB"].runtime) as client_b:
-        assert await client_b.read(made["id"], "/from-a") == b"written from hA"

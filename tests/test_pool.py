@@ -25,7 +25,7 @@ from slates.node.pool import MAX_SHARDS, HostPool, overshoot_bound
 MiB = 1 << 20
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # each account is itself, as a volume is: never equal by value
 class _Account:
     bounded: bool
     limit: int
