@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 READ_SIZE = 1 << 20
-BATCH_BYTES = 4 << 20  # bytes of file content handed over at a time
+BATCH_BYTES = 2 << 20  # bytes of file content handed over at a time (one step on the loop)
 BATCH_ENTRIES = 512
 MAX_ENTRIES = 4_000_000  # a walk's entries are held in memory until the second walk
 
