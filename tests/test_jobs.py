@@ -9,9 +9,11 @@ leaves nothing behind.  Real anchor processes, SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,30 @@ def source(tmp_path: Path) -> Path:
     return top
 
 
+@contextlib.contextmanager
+def another_client_writing(runtime: Path, volume: str) -> Iterator[list[float]]:
+    """A second client writing one byte to `volume` in a loop until the block ends; yields
+    the times its writes were answered (once the first one is)."""
+    answered: list[float] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        with Client(runtime) as other:
+            while not stop.is_set():
+                other.write(volume, "/x", b"b")
+                answered.append(time.monotonic())
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        while not answered:
+            time.sleep(0.01)
+        yield answered
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _scratch_volumes(client: Client) -> list[str]:
     return [v["name"] for v in client.list_volumes() if v["name"].endswith(CAPTURE_SUFFIX)]
 
@@ -45,26 +71,10 @@ def test_other_clients_are_answered_during_a_capture(tmp_path: Path, source: Pat
         with Client(service.runtime) as client:
             busy = client.create_volume("busy")["id"]
             client.write(busy, "/x", b"a")
-            answered: list[float] = []
-            stop = threading.Event()
-
-            def writer() -> None:
-                with Client(service.runtime) as other:
-                    while not stop.is_set():
-                        other.write(busy, "/x", b"b")
-                        answered.append(time.monotonic())
-
-            thread = threading.Thread(target=writer)
-            thread.start()
-            try:
-                while not answered:
-                    time.sleep(0.01)
+            with another_client_writing(service.runtime, busy) as answered:
                 started = time.monotonic()
                 captured = client.create_volume("captured", base=str(source), capture=True)
                 ended = time.monotonic()
-            finally:
-                stop.set()
-                thread.join()
             during = [t for t in answered if started < t < ended]
             # The shard answered the other client between the capture's batches (one
             # stall of the whole capture would leave at most one answer in its window).
@@ -131,26 +141,10 @@ def test_other_clients_are_answered_during_a_landing(tmp_path: Path) -> None:
             busy = client.create_volume("busy")["id"]
             plan = client.land_plan(green, str(target))
             grant = approve(client, service.runtime, plan["manifest"])
-            answered: list[float] = []
-            stop = threading.Event()
-
-            def writer() -> None:
-                with Client(service.runtime) as other:
-                    while not stop.is_set():
-                        other.write(busy, "/x", b"b")
-                        answered.append(time.monotonic())
-
-            thread = threading.Thread(target=writer)
-            thread.start()
-            try:
-                while not answered:
-                    time.sleep(0.01)
+            with another_client_writing(service.runtime, busy) as answered:
                 started = time.monotonic()
                 result = client.land_apply(plan["manifest"], grant)
                 ended = time.monotonic()
-            finally:
-                stop.set()
-                thread.join()
             assert result["complete"] is True
             assert len(list((target / "out").iterdir())) == 400
             during = [t for t in answered if started < t < ended]

@@ -75,5 +75,3 @@ class Job:
     request: Request
     body: JobBody
     waiting: Io | Pause
-    # What the job's own events need at the end (for example its scratch volume).
-    context: dict[str, Any] = dataclasses.field(default_factory=dict)
