@@ -1,5 +1,5 @@
-"""Memory readers (segments' allocated pages, a process's resident memory) and the rule
-for the segments' default sizes."""
+"""Memory readers (segments' allocated pages, a process's resident memory), the rule
+for the segments' default sizes, and what the counters and the journal keep."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from slates import Client
+from slates.core.volume import INODE_COST
 from slates.errors import InvalidArgument, NotFound
 from slates.node.arena import ArenaChunks
 from slates.node.journal import Checkpoints, Segment, create_segment
@@ -29,6 +30,7 @@ from slates.node.memory import (
     shard_memory,
 )
 from tests.anchor_fixture import Service, start_service
+from tests.test_merge_service import Service as MergeService
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -162,31 +164,7 @@ def one_shard(tmp_path: Path) -> Iterator[Service]:
 
 
 @pytest.mark.skipif(not _MOUNTS, reason="FUSE mounts need /dev/fuse and root (CI has both)")
-@pytest.mark.parametrize(
-    "writeback",
-    [
-        pytest.param(
-            False,
-            id="write-through",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason="Volume.write carries the rest of both edge pages (Write.head/tail) even "
-                "when they are private pages already: see bench/RESULTS.md (issue 13)",
-            ),
-        ),
-        pytest.param(
-            True,
-            id="writeback",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason="the kernel writes back whole pages and the shard records them as they "
-                "come, unchanged bytes included: see bench/RESULTS.md (issue 13)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("writeback", [False, True], ids=["write-through", "writeback"])
 def test_a_100_byte_write_journals_about_100_bytes(
     one_shard: Service, tmp_path: Path, writeback: bool
 ) -> None:
@@ -212,3 +190,30 @@ def test_a_100_byte_write_journals_about_100_bytes(
         finally:
             client.unmount(mnt)
     assert added < 1024, f"one 100 B write added {added} journal bytes"
+
+
+def test_deleted_snapshots_leave_the_counters_at_collection() -> None:
+    """A snapshot's tree stays counted while it lives, and leaves with it (issue 13:
+    the counters kept every deleted snapshot's inodes)."""
+    service = MergeService()
+    green = service.green({"/src/a.c": b"int a;\n", "/.gitignore": b"build/\n"}, dirs=["/src"])
+    service.call("gc")
+    rest = service.svc.host.physical_bytes
+    work = service.work(green)
+    service.call("mkdir", volume=work, path="/build")
+    for n in range(300):
+        service.call("write", volume=work, path=f"/build/o{n}.o", data=b"x" * 100)
+    snapshot = service.call("snapshot", volume=work)["id"]
+    for n in range(300):
+        service.call("unlink", volume=work, path=f"/build/o{n}.o")
+    held_by_snapshot = service.svc.host.snapshot_metadata_bytes
+    service.call("gc")
+    # Still held, and now also the inherited directories the work volume changed since
+    # (no volume counts those as its own).
+    recounted = service.svc.host.snapshot_metadata_bytes
+    assert held_by_snapshot <= recounted <= held_by_snapshot + 4 * INODE_COST
+    service.call("snapshot.delete", snapshot=snapshot)
+    service.call("volume.delete", volume=work)
+    service.call("gc")
+    assert service.svc.host.snapshot_metadata_bytes <= held_by_snapshot - 295 * INODE_COST
+    assert service.svc.host.physical_bytes <= rest

@@ -191,8 +191,9 @@ class Host:
     def hand_over_metadata(self, nbytes: int) -> None:
         """A snapshot now holds inodes a volume created: keep counting their metadata.
 
-        Snapshot metadata stays counted until snapshots can be released (an
-        over-count, never an under-count, of what the host holds).
+        It stays counted until the next collection recounts what snapshots still
+        hold (`recount_snapshot_metadata`): between collections an over-count,
+        never an under-count, of what the host holds.
         """
         self.charge(-nbytes)
         self.snapshot_metadata_bytes += nbytes
@@ -200,8 +201,8 @@ class Host:
 
     def recount_snapshot_metadata(self, nbytes: int) -> None:
         """Set the metadata snapshots hold to a collection's count of it (the inodes
-        reachable from snapshots and no live volume's own): deleted snapshots' inodes
-        then leave the counters, which `hand_over_metadata` alone never lets them do."""
+        no live volume counts as its own, `slates.core.volume.held`): deleted
+        snapshots' inodes then leave the counters."""
         if nbytes < 0:
             raise InvalidArgument("snapshot metadata cannot be negative", metadata=nbytes)
         self.snapshot_metadata_bytes = nbytes

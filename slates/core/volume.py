@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Protocol
 
 import immutables
@@ -141,6 +141,8 @@ __all__ = [
     "Entry",
     "Volume",
     "chunk_ids",
+    "Held",
+    "held",
 ]
 
 ROOT_INO = 1
@@ -312,6 +314,35 @@ class SealReport:
     bytes_sealed: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Held:
+    """What a collection found the live volumes and snapshots hold."""
+
+    chunk_ids: frozenset[bytes]
+    # Metadata of the inodes no volume counts as its own: snapshots' trees, and
+    # inodes volumes inherited from the snapshot they were cloned from.
+    shared_metadata: int
+
+
+def held(volumes: Iterable[Volume], snapshot_roots: Iterable[Root]) -> Held:
+    """Walk every distinct inode object once: the chunks named, and the metadata the
+    volumes' own counters leave out (what `Host.hand_over_metadata` handed over, less
+    what deleted snapshots let go)."""
+    seen: set[int] = set()
+    chunks: set[bytes] = set()
+    shared = 0
+    for owner, root in [(v, v.root) for v in volumes] + [(None, r) for r in snapshot_roots]:
+        for inode in root.inodes.values():
+            if id(inode) in seen:
+                continue
+            seen.add(id(inode))
+            if owner is None or not owner._is_own(inode.ino):
+                shared += _metadata(inode)
+            if isinstance(inode.body, FileBody):
+                chunks.update(e.chunk_id for e in inode.body.extents if isinstance(e, ChunkSpan))
+    return Held(frozenset(chunks), shared)
+
+
 def chunk_ids(*roots: Root) -> Iterator[bytes]:
     """Every chunk the roots refer to (for the host's garbage collection).
 
@@ -430,6 +461,42 @@ def _buffer_ids(inode: Inode | None) -> set[int]:
     if inode is None or not isinstance(inode.body, FileBody):
         return set()
     return {e.buffer_id for e in inode.body.extents if isinstance(e, PageSpan)}
+
+
+def _changed_span(current: bytes, data: bytes) -> tuple[int, int]:
+    """The part [lo, hi) of `data` that must be written over `current` (the file's bytes
+    where data starts; data may run past its end): never empty, so a write of
+    unchanged bytes still writes one and sets the times."""
+    n = len(current)
+    lo, hi = 0, n  # the common prefix is data[:lo], by bisection (slices compare at memcmp speed)
+    if data[:1] != current[:1]:
+        hi = 0  # the usual case, new bytes: nothing to search
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if data[:mid] == current[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    if len(data) > n:  # bytes past the end are all new
+        return lo, len(data)
+    if lo == n:
+        return 0, min(1, len(data))
+    shared, top = 0, n - lo  # the common suffix, within what differs
+    if data[n - 1 : n] != current[n - 1 :]:
+        top = 0
+    while shared < top:
+        mid = (shared + top + 1) // 2
+        if data[n - mid : n] == current[n - mid :]:
+            shared = mid
+        else:
+            top = mid - 1
+    return lo, n - shared
+
+
+def _edge_fits(body: FileBody, edge: bytes, start: int, end: int) -> bool:
+    """A write's head or tail is the file's bytes in [start, end), or nothing when a
+    private page already holds them (Volume.write leaves those out)."""
+    return len(edge) == end - start or (not edge and not uncovered(body.extents, start, end))
 
 
 def _metadata(inode: Inode | None) -> int:
@@ -1152,8 +1219,9 @@ class Volume:
         if not r.data:
             return 0
         first, last = page_floor(r.offset), page_ceil(end)
-        if len(r.head) != max(0, min(r.offset, body.size) - first) or len(r.tail) != max(
-            0, min(last, body.size) - end
+        head_end, tail_end = max(first, min(r.offset, body.size)), max(end, min(last, body.size))
+        if not _edge_fits(body, r.head, first, head_end) or not _edge_fits(
+            body, r.tail, end, tail_end
         ):
             raise InvalidArgument("the write's edge bytes do not match the file", ino=r.ino)
         gaps = uncovered(body.extents, first, last)
@@ -1781,16 +1849,34 @@ class Volume:
         self.apply(Rename(parent, name, new_parent, new_name, flags, time_ns))
 
     def write(self, ino: int, offset: int, data: bytes, *, time_ns: int = 0) -> int:
-        """Write, reading the partial edge pages first (this may read the base)."""
+        """Write, reading the partial edge pages first (this may read the base).
+
+        The record carries the bytes that change, not the pages around them:
+        where the write lands on private pages, leading and trailing bytes
+        equal to what the file holds are left out (a writeback mount sends
+        whole pages for a 100-byte change), and an edge page that is already
+        private is not copied into the record.
+        """
         _check_count(offset, "offset")
         self.read(ino, 0, 0)  # refuses non-files before any base read
+        body = self._inode(ino).body
+        extents = body.extents if isinstance(body, FileBody) else ()
+        size = body.size if isinstance(body, FileBody) else 0
+        length = len(data)
+        overlap_end = min(offset + length, size)
+        if offset < overlap_end and not uncovered(extents, offset, overlap_end):
+            current = self.read(ino, offset, overlap_end - offset)
+            lo, hi = _changed_span(current, data)
+            offset, data = offset + lo, data[lo:hi]
         end = offset + len(data)
         first, last = page_floor(offset), page_ceil(end)
-        head = self.read(ino, first, offset - first) if data else b""
-        tail = self.read(ino, end, last - end) if data else b""
-        written = self.apply(Write(ino, offset, bytes(data), time_ns, head, tail))
-        assert isinstance(written, int)
-        return written
+        head = tail = b""
+        if data and uncovered(extents, first, offset):
+            head = self.read(ino, first, offset - first)
+        if data and uncovered(extents, end, last):
+            tail = self.read(ino, end, last - end)
+        self.apply(Write(ino, offset, bytes(data), time_ns, head, tail))
+        return length
 
     def truncate(self, ino: int, size: int, *, time_ns: int = 0) -> None:
         self.apply(Truncate(ino, size, time_ns))

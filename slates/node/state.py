@@ -28,7 +28,7 @@ import msgpack
 from slates.core import checkpoint
 from slates.core.host import Host
 from slates.core.records import Record, TakeSnapshot, decode, encode
-from slates.core.volume import BaseReader, Capacity, Snapshot, Volume, chunk_ids
+from slates.core.volume import BaseReader, Capacity, Snapshot, Volume, held
 from slates.errors import (
     AccessDenied,
     InvalidArgument,
@@ -325,7 +325,8 @@ class ShardState:
         volume.close()
 
     def collect_garbage(self, *, force: bool = False) -> None:
-        """Free chunks no volume or snapshot refers to (call once the drop is committed).
+        """Free chunks no volume or snapshot refers to, and recount the metadata only
+        snapshots hold (call once the drop is committed).
 
         A collection walks every distinct inode on the shard, so it runs once
         retired volumes may have left GARBAGE_BATCH_BYTES behind (or when
@@ -335,8 +336,9 @@ class ShardState:
         if not self.garbage_bytes or (self.garbage_bytes < GARBAGE_BATCH_BYTES and not force):
             return
         self.garbage_bytes = 0
-        roots = [v.root for v in self.volumes.values()] + [s.root for s in self.snapshots.values()]
-        self.host.collect([chunk_ids(*roots)])
+        found = held(self.volumes.values(), [s.root for s in self.snapshots.values()])
+        self.host.collect([found.chunk_ids])
+        self.host.recount_snapshot_metadata(found.shared_metadata)
 
     # -- views ----------------------------------------------------------------
 
