@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -491,12 +492,33 @@ def test_every_truncation_and_trailing_garbage_is_an_invalid_argument() -> None:
     assert loaded is None
 
 
+def _small_document() -> Any:
+    """SMALL_BLOB's msgpack document (its page bytes follow it: _small_blob adds them)."""
+    (length,) = struct.unpack_from("<Q", SMALL_BLOB)
+    return msgpack.unpackb(SMALL_BLOB[8 : 8 + length], raw=False)
+
+
+def _small_blob(document: Any) -> bytes:
+    """A blob of `document` with SMALL_BLOB's page bytes after it."""
+    (length,) = struct.unpack_from("<Q", SMALL_BLOB)
+    head: bytes = msgpack.packb(document, use_bin_type=True)
+    return struct.pack("<Q", len(head)) + head + SMALL_BLOB[8 + length :]
+
+
+def test_page_bytes_follow_the_document_in_its_order() -> None:
+    """The layout: the document lists each buffer's length, and the bytes follow."""
+    document = _small_document()
+    lengths = [length for v in document["volumes"] for _bid, length in v["buffers"]]
+    (head,) = struct.unpack_from("<Q", SMALL_BLOB)
+    assert lengths and len(SMALL_BLOB) == 8 + head + sum(lengths)
+
+
 @pytest.mark.parametrize("version", [0, VERSION + 1, "1", True, None, 1.0, -1])
 def test_unknown_versions_are_refused(version: object) -> None:
-    document = msgpack.unpackb(SMALL_BLOB, raw=False)
+    document = _small_document()
     document["version"] = version
     with pytest.raises(InvalidArgument, match="version"):
-        load_state(msgpack.packb(document, use_bin_type=True), Host(), SMALL_BASES.open)
+        load_state(_small_blob(document), Host(), SMALL_BASES.open)
 
 
 @pytest.mark.parametrize(
@@ -520,9 +542,9 @@ def test_unknown_versions_are_refused(version: object) -> None:
     ],
 )
 def test_inconsistent_blobs_are_refused(change: Callable[[dict[str, Any]], object]) -> None:
-    document = msgpack.unpackb(SMALL_BLOB, raw=False)
+    document = _small_document()
     change(document)
-    _, loaded = _load_fresh(msgpack.packb(document, use_bin_type=True))
+    _, loaded = _load_fresh(_small_blob(document))
     assert loaded is None
 
 
@@ -537,7 +559,7 @@ def _paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return out
 
 
-SMALL_PATHS = _paths(msgpack.unpackb(SMALL_BLOB, raw=False))[1:]
+SMALL_PATHS = _paths(_small_document())[1:]
 VALUES = st.one_of(
     st.none(),
     st.booleans(),
@@ -558,7 +580,7 @@ VALUES = st.one_of(
 def test_mutated_structures_load_or_raise_invalid_argument(
     mutations: list[tuple[tuple[Any, ...], bool, Any]],
 ) -> None:
-    document = msgpack.unpackb(SMALL_BLOB, raw=False)
+    document = _small_document()
     for path, delete, value in mutations:
         container: Any = document
         try:
@@ -570,7 +592,7 @@ def test_mutated_structures_load_or_raise_invalid_argument(
                 container[path[-1]] = value
         except (KeyError, IndexError, TypeError):
             continue  # an earlier mutation reshaped this path
-    _load_fresh(msgpack.packb(document, use_bin_type=True))  # anything else fails the test
+    _load_fresh(_small_blob(document))  # anything else fails the test
 
 
 # -- (4) sharing keeps the blob small ----------------------------------------------

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from slates import Client
 from slates.core.volume import INODE_COST
-from slates.errors import InvalidArgument, NotFound
+from slates.errors import CapacityExhausted, InvalidArgument, NotFound
 from slates.node.arena import ArenaChunks
 from slates.node.journal import Checkpoints, Segment, create_segment
 from slates.node.memory import (
@@ -217,3 +217,20 @@ def test_deleted_snapshots_leave_the_counters_at_collection() -> None:
     service.call("gc")
     assert service.svc.host.snapshot_metadata_bytes <= held_by_snapshot - 295 * INODE_COST
     assert service.svc.host.physical_bytes <= rest
+
+
+def test_a_checkpoint_written_in_pieces_reads_back_whole_and_one_too_big_changes_nothing() -> None:
+    fd = create_segment("test-checkpoint", PAGE + 2 * 16 * PAGE)
+    segment = Segment(fd)
+    try:
+        checkpoints = Checkpoints(segment)
+        pieces = [b"head", bytearray(b"x" * 3 * PAGE), b"", bytearray(b"tail")]
+        checkpoints.write(7, pieces)
+        assert checkpoints.read() == (7, b"".join(pieces))
+        with pytest.raises(CapacityExhausted):
+            checkpoints.write(8, iter([b"y" * PAGE] * 17))
+        assert checkpoints.read() == (7, b"".join(pieces))
+        assert segment_bytes(fd) <= PAGE + 4 * PAGE  # the failed slot's pages went back
+    finally:
+        segment.close()
+        os.close(fd)

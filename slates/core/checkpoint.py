@@ -1,4 +1,4 @@
-"""Checkpoints: a shard's volumes and snapshots as one msgpack blob, and back.
+"""Checkpoints: a shard's volumes and snapshots as one blob, and back.
 
 Theory of operation
 -------------------
@@ -9,7 +9,11 @@ process calls `load_state` to rebuild them exactly, then replays the journal
 written after the checkpoint.  Sealed chunk bytes are not in the blob: they
 stay in the host's chunk store (a shared-memory arena in the daemon), so
 extents name them by id.  Private page buffers are in the blob byte for
-byte, since nothing else holds them.  Base readers are not data: the blob
+byte, since nothing else holds them: after the msgpack document, in the
+order it lists them, so `dump_state_pieces` hands them to the writer as
+they are, without copying them into one big bytes object first (a
+checkpoint of 400 MiB of private pages would otherwise hold them twice
+more in the heap while it is written).  Base readers are not data: the blob
 keeps `base_key(reader)` and loading calls `open_base(key)` once per key.
 
 Sharing.  Roots share Inode objects (a volume with its snapshots and
@@ -50,8 +54,9 @@ bytes.  Pure: no I/O, clock or randomness.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, NoReturn, TypeVar
 
 import immutables
@@ -106,12 +111,14 @@ __all__ = ["FORMAT", "VERSION", "LoadedState", "dump_state", "load_state"]
 #   volume = {"name", "root", "base", "bounded", "limit", "closed",
 #             "unique_bytes", "inflight_bytes", "metadata_bytes", "own_mark",
 #             "own_limit", "own_numbers": [ino],
-#             "buffers": [[buffer_id, bytes]],
+#             "buffers": [[buffer_id, length]],   (their bytes follow the document)
 #             "next_buffer", "handles": [[ino, count]], "dirty": [ino]}
 #   snapshot = {"name", "id", "root", "base"}
 
+# blob = [document length: u64 little-endian][msgpack document][page buffers' bytes]
 FORMAT = "slates.checkpoint"
-VERSION = 1
+VERSION = 2
+_LENGTH = struct.Struct("<Q")
 
 _BASE_SPAN, _CHUNK_SPAN, _PAGE_SPAN = 0, 1, 2
 _KINDS = {int(kind): kind for kind in Kind}
@@ -351,7 +358,20 @@ def dump_state(
     *,
     host: Host | None = None,
 ) -> bytes:
-    """The complete state of `volumes` and `snapshots` as checkpoint bytes.
+    """The checkpoint blob of `dump_state_pieces`, joined."""
+    return b"".join(dump_state_pieces(volumes, snapshots, base_key, host=host))
+
+
+def dump_state_pieces(
+    volumes: Mapping[str, Volume],
+    snapshots: Mapping[str, Snapshot],
+    base_key: Callable[[BaseReader], str],
+    *,
+    host: Host | None = None,
+) -> Iterator[bytes | bytearray]:
+    """The complete state of `volumes` and `snapshots` as checkpoint bytes, in pieces:
+    the document, then each page buffer itself (not a copy: consume the pieces
+    before the volumes change).
 
     `base_key(reader)` names each base reader (called once per reader);
     `open_base(key)` reopens it on load.  The host's snapshot metadata
@@ -383,6 +403,7 @@ def dump_state(
         return key
 
     encoder = _Encoder()
+    pages: list[bytearray] = []
     volume_docs: list[dict[str, Any]] = []
     for name, volume in volumes.items():
         volume_docs.append(
@@ -399,12 +420,13 @@ def dump_state(
                 "own_mark": volume._own_mark,
                 "own_limit": volume._own_limit,
                 "own_numbers": sorted(volume._own_numbers),
-                "buffers": [[bid, bytes(volume._buffers[bid])] for bid in sorted(volume._buffers)],
+                "buffers": [[bid, len(volume._buffers[bid])] for bid in sorted(volume._buffers)],
                 "next_buffer": volume._next_buffer,
                 "handles": [[ino, volume._handles[ino]] for ino in sorted(volume._handles)],
                 "dirty": sorted(volume._dirty),
             }
         )
+        pages += [volume._buffers[bid] for bid in sorted(volume._buffers)]
     snapshot_docs = [
         {
             "name": name,
@@ -424,8 +446,10 @@ def dump_state(
         "snapshots": snapshot_docs,
         "snapshot_metadata_bytes": metadata,
     }
-    blob: bytes = msgpack.packb(document, use_bin_type=True, unicode_errors="surrogateescape")
-    return blob
+    head: bytes = msgpack.packb(document, use_bin_type=True, unicode_errors="surrogateescape")
+    yield _LENGTH.pack(len(head))
+    yield head
+    yield from pages
 
 
 # -- load: phase 1, decode and validate -----------------------------------------
@@ -512,7 +536,9 @@ class _SnapshotSpec:
 class _Decoder:
     """Rebuilds the tables; every check raises InvalidArgument."""
 
-    def __init__(self, document: dict[str, Any]) -> None:
+    def __init__(self, document: dict[str, Any], page_bytes: memoryview) -> None:
+        self._page_data = page_bytes  # the page buffers' bytes, taken in document order
+        self._page_at = 0
         self.chunks = [_bin(c, "chunk id") for c in _list(document["chunks"], "chunk table")]
         self.inodes: list[Inode] = []
         self.pages: dict[int, tuple[PageSpan, ...]] = {}  # id(Inode) -> its page extents
@@ -524,6 +550,17 @@ class _Decoder:
             root = self._root(raw)
             self._check_root(root)
             self.roots.append(root)
+
+    def _page_bytes(self, length: int) -> bytearray:
+        """The next page buffer's bytes (copied once, into the buffer the volume owns)."""
+        if length > self.pages_left:
+            _bad("a page buffer runs past the checkpoint's end", length=length)
+        start, self._page_at = self._page_at, self._page_at + length
+        return bytearray(self._page_data[start : self._page_at])
+
+    @property
+    def pages_left(self) -> int:
+        return len(self._page_data) - self._page_at
 
     def _inode(self, raw: Any) -> Inode:
         f = _list(raw, "inode", 12)
@@ -740,7 +777,7 @@ class _Decoder:
             buffer_id = _int(pair[0], "buffer id", 1)
             if buffer_id in buffers:
                 _bad("a page buffer id repeats", buffer_id=buffer_id)
-            buffers[buffer_id] = bytearray(_bin(pair[1], "page buffer"))
+            buffers[buffer_id] = self._page_bytes(_int(pair[1], "page buffer length"))
         handles: dict[int, int] = {}
         for value in _list(d["handles"], "handles"):
             pair = _list(value, "handle", 2)
@@ -800,10 +837,22 @@ class _Decoder:
         return spec
 
 
-def _decode(blob: bytes) -> tuple[list[_VolumeSpec], list[_SnapshotSpec], int, _Decoder]:
+def _decode(
+    blob: bytes | memoryview,
+) -> tuple[list[_VolumeSpec], list[_SnapshotSpec], int, _Decoder]:
+    view = memoryview(blob)
+    if len(view) < _LENGTH.size:
+        _bad("a checkpoint too short for its header")
+    (length,) = _LENGTH.unpack_from(view, 0)
+    if length > len(view) - _LENGTH.size:
+        _bad("the checkpoint's document runs past its end", length=length)
     try:
         document = msgpack.unpackb(
-            blob, raw=False, strict_map_key=True, use_list=True, unicode_errors="surrogateescape"
+            view[_LENGTH.size : _LENGTH.size + length],
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            unicode_errors="surrogateescape",
         )
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise InvalidArgument("undecodable checkpoint", reason=str(exc)[:200]) from None
@@ -814,8 +863,10 @@ def _decode(blob: bytes) -> tuple[list[_VolumeSpec], list[_SnapshotSpec], int, _
         raise InvalidArgument("unsupported checkpoint version", version=repr(version)[:40])
     if document.keys() != _TOP_KEYS:
         _bad("wrong top-level fields")
-    decoder = _Decoder(document)
+    decoder = _Decoder(document, view[_LENGTH.size + length :])
     volumes = [decoder.volume(raw) for raw in _list(document["volumes"], "volumes")]
+    if decoder.pages_left:
+        _bad("page bytes follow that no page buffer names", extra=decoder.pages_left)
     snapshots = [decoder.snapshot(raw) for raw in _list(document["snapshots"], "snapshots")]
     names = [spec.name for spec in volumes] + [spec.name for spec in snapshots]
     if len(set(names)) != len(names):
@@ -827,7 +878,9 @@ def _decode(blob: bytes) -> tuple[list[_VolumeSpec], list[_SnapshotSpec], int, _
 # -- load: phases 2 and 3 -------------------------------------------------------
 
 
-def load_state(blob: bytes, host: Host, open_base: Callable[[str], BaseReader]) -> LoadedState:
+def load_state(
+    blob: bytes | memoryview, host: Host, open_base: Callable[[str], BaseReader]
+) -> LoadedState:
     """Rebuild the volumes and snapshots of a checkpoint on `host`.
 
     `open_base(key)` returns the reader for a key `base_key` gave, or

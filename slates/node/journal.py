@@ -29,7 +29,7 @@ import mmap
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from slates.errors import CapacityExhausted, VerificationFailed
 
@@ -173,17 +173,28 @@ class Checkpoints:
             raise VerificationFailed("the checkpoint fails its checksum")
         return generation, blob
 
-    def write(self, generation: int, blob: bytes) -> None:
-        if len(blob) > self.slot_size:
-            raise CapacityExhausted("the checkpoint does not fit its segment", size=len(blob))
+    def write(self, generation: int, blob: bytes | Iterable[bytes | bytearray]) -> None:
+        """Write a checkpoint into the inactive slot and publish it.  `blob` may come in
+        pieces (ShardState.checkpoint_pieces), each copied in as it comes, so the
+        whole never has to exist in the heap.  One that does not fit raises
+        CapacityExhausted, and the published checkpoint stays as it was."""
         active = self._active()
         slot = 0 if active != 0 else 1
         start = self._slot_offset(slot)
         mm = self.segment.map
-        mm[start : start + len(blob)] = blob
-        _SLOT.pack_into(
-            mm, _CHECKPOINT_HEADER.size + slot * _SLOT.size, generation, len(blob), zlib.crc32(blob)
-        )
+        length = crc = 0
+        for piece in [blob] if isinstance(blob, bytes) else blob:
+            if length + len(piece) > self.slot_size:
+                self.segment.release(start, start + self.slot_size)
+                raise CapacityExhausted(
+                    "the checkpoint does not fit its segment",
+                    at_least=length + len(piece),
+                    room=self.slot_size,
+                )
+            mm[start + length : start + length + len(piece)] = piece
+            crc = zlib.crc32(piece, crc)
+            length += len(piece)
+        _SLOT.pack_into(mm, _CHECKPOINT_HEADER.size + slot * _SLOT.size, generation, length, crc)
         struct.pack_into("<I", mm, 12, slot)  # the publish point: one aligned 4-byte store
         if active != _NO_SLOT:
             old = self._slot_offset(active)

@@ -20,7 +20,8 @@ given reads source directories, for volumes over live bases).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+import struct
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import msgpack
@@ -68,6 +69,7 @@ from slates.node.ledger import WORK_INO_SHIFT, Ledger, Version
 __all__ = ["ShardState", "GARBAGE_BATCH_BYTES"]
 
 GARBAGE_BATCH_BYTES = 4 << 20
+_META_LENGTH = struct.Struct("<Q")  # a shard checkpoint starts with its meta's length
 
 
 class ShardState:
@@ -377,7 +379,15 @@ class ShardState:
     # -- checkpoints ----------------------------------------------------------
 
     def checkpoint(self) -> bytes:
-        state = checkpoint.dump_state(self.volumes, self.snapshots, self._base_key, host=self.host)
+        """The checkpoint of `checkpoint_pieces`, joined (tests and tools)."""
+        return b"".join(self.checkpoint_pieces())
+
+    def checkpoint_pieces(self) -> Iterator[bytes | bytearray]:
+        """The shard's checkpoint, in pieces: [meta length u64][meta][core state blob].
+
+        The core state ends with the private page buffers themselves
+        (slates.core.checkpoint): write the pieces out before anything changes.
+        """
         meta = {
             "names": self.names,
             "base_keys": self.base_keys,
@@ -391,10 +401,12 @@ class ShardState:
             "landing": self.desk.to_wire(),
             **self.ledger.to_wire(),
         }
-        out: bytes = msgpack.packb(
-            {"state": state, "meta": meta}, use_bin_type=True, unicode_errors="surrogateescape"
+        head: bytes = msgpack.packb(meta, use_bin_type=True, unicode_errors="surrogateescape")
+        yield _META_LENGTH.pack(len(head))
+        yield head
+        yield from checkpoint.dump_state_pieces(
+            self.volumes, self.snapshots, self._base_key, host=self.host
         )
-        return out
 
     @staticmethod
     def _base_key(base: BaseReader) -> str:
@@ -403,13 +415,21 @@ class ShardState:
             raise InvalidArgument("this base reader cannot be checkpointed")
         return root
 
-    def restore(self, blob: bytes) -> None:
+    def restore(self, blob: bytes | memoryview) -> None:
+        view = memoryview(blob)
         try:
-            data = msgpack.unpackb(
-                blob, raw=False, strict_map_key=False, unicode_errors="surrogateescape"
+            (length,) = _META_LENGTH.unpack_from(view, 0)
+            if length > len(view) - _META_LENGTH.size:
+                raise ValueError("the checkpoint's meta runs past its end")
+            meta = msgpack.unpackb(
+                view[_META_LENGTH.size : _META_LENGTH.size + length],
+                raw=False,
+                strict_map_key=False,
+                unicode_errors="surrogateescape",
             )
-            meta = data["meta"]
-            loaded = checkpoint.load_state(data["state"], self.host, self.open_base)
+            loaded = checkpoint.load_state(
+                view[_META_LENGTH.size + length :], self.host, self.open_base
+            )
             self.names = dict(meta["names"])
             self.base_keys = dict(meta["base_keys"])
             self.results = {
@@ -423,7 +443,7 @@ class ShardState:
             self.origins = {str(v): str(o) for v, o in meta["origins"].items()}
             self.client_principals = {str(c): str(n) for c, n in meta["client_principals"].items()}
             self.desk.restore(meta["landing"])
-        except (KeyError, TypeError, ValueError, InvalidArgument) as exc:
+        except (KeyError, TypeError, ValueError, struct.error, InvalidArgument) as exc:
             raise VerificationFailed("the checkpoint is malformed", reason=str(exc)) from None
         self.failed = {vid: error_from_wire(wire) for vid, wire in failed.items()}
         self.ledger = ledger
