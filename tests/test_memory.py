@@ -224,7 +224,7 @@ def test_a_checkpoint_written_in_pieces_reads_back_whole_and_one_too_big_changes
     segment = Segment(fd)
     try:
         checkpoints = Checkpoints(segment)
-        pieces = [b"head", bytearray(b"x" * 3 * PAGE), b"", bytearray(b"tail")]
+        pieces: list[bytes | bytearray] = [b"head", bytearray(3 * PAGE), b"", bytearray(b"tail")]
         checkpoints.write(7, pieces)
         assert checkpoints.read() == (7, b"".join(pieces))
         with pytest.raises(CapacityExhausted):
