@@ -333,3 +333,18 @@ def test_anchor_takes_an_agent_group(tmp_path: Path) -> None:
         assert len(_ok(done)["shards"]) == 1
     finally:
         stop_process(anchor)
+
+
+def test_the_mount_bridge_loads_no_core_merge_or_trio() -> None:
+    """Every mount starts a bridge process: it needs the ring, the wire and the base's
+    beneath-walk, not the pure core, the merge engine or trio (issue 14: its start was
+    most of a mount's 110-140 ms)."""
+    probe = (
+        "import sys, slates.fuse.bridge; "
+        "print(' '.join(m for m in ('slates.core', 'slates.merge', 'slates.base.capturing', "
+        "'slates.base.live', 'trio', 'pygit2', 'slates.base.beneath') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.split() == ["slates.base.beneath"]

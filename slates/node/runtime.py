@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,6 +153,8 @@ class Runtime:
                 return path
         except FileNotFoundError:
             pass
+        import secrets  # here: only a new key needs it, and every bridge imports this module
+
         temp = path.with_name(f".{path.name}.{os.getpid()}")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as out:
