@@ -13,6 +13,15 @@ loop until the time is up.  One cycle of one agent:
   submit (a new green version with the source edit); unmount; delete the
   work volume and its snapshot.
 
+After every agent's first cycle the agents pause (a barrier): once each
+has deleted its first volume and snapshot, the shards are collected
+(`gc`) and the warm start is sampled, then the agents go on (the pause
+does not count against --minutes).  The first cycle warms each shard's
+heap to its allocator's high water (pymalloc arenas, glibc's free lists,
+about 5 MiB a shard), which then stays flat: the cold start, sampled
+before any cycle, is kept and shown, but the goal is judged against the
+warm start.
+
 Every --interval seconds a sampler reads, from /proc, the anchor's, the
 shards' and the bridges' resident memory split into heap (anonymous) and
 shared, and the allocated bytes of every memfd any of them holds open (the
@@ -24,12 +33,23 @@ reports (`Client.status()`: each shard's host_physical_bytes; and each
 shard's `memory` figures if the shard reports them).
 
 At the end, once the agents' volumes and snapshots are deleted and the
-shards collected (`gc`), it prints the ratio physical/counters over the run
-and end-versus-start physical memory (the goal: within 20% of the start),
-and plots both against time to bench/soak_memory.png (matplotlib; without
-it the plot is skipped with a message).  Nothing is asserted.
+shards collected (`gc`), it prints the ratio physical/counters over the run,
+end versus the cold start and end versus the warm start (the goal: the
+end's physical memory within 20% of the warm start), and per shard, at the
+cold start, warm start and end: its anonymous RSS, its host_physical_bytes
+and its own `memory` figures, to show where a difference lives.  It plots
+physical memory and the counters against time, with the goal's line, to
+bench/soak_memory.png (matplotlib, optional: without it the plot is skipped
+with a message).  Nothing is asserted.
 
-Run as root: `python bench/soak_bench.py [--minutes 20 | --quick]`.
+A failed cycle is shown with the step it failed at and the error's details
+(an `internal error`'s `reason` names the shard's exception; the shard logs
+its traceback).  `--keep-runtime DIR` copies the run's logs (the anchor's,
+with the shards' stderr in it, and the bridges') and state files to DIR
+before the temporary directory goes.
+
+Run as root: `python bench/soak_bench.py [--minutes 20 | --quick]
+[--keep-runtime DIR]`.
 """
 
 from __future__ import annotations
@@ -58,7 +78,7 @@ if importlib.util.find_spec("slates") is None:  # run from a checkout, not insta
 import blake3
 
 from slates import Client
-from slates.errors import NotFound
+from slates.errors import NotFound, SlatesError
 from slates.node.anchor import is_mounted, spawn_anchor, stop_process
 from slates.node.memory import process_memory
 
@@ -69,6 +89,7 @@ FILES_PER_CYCLE = 2000
 CYCLE_BYTES = 100 * MiB
 WRITE_CALL = 64 << 10
 SHARDS = 2
+WARM_UP_SECONDS = 900.0  # the longest every agent's first cycle may take before the warm start
 PNG = Path(__file__).resolve().parent / "soak_memory.png"
 
 
@@ -92,6 +113,9 @@ class Sample:
     processes: int
     volumes: int
     heap_by_role: dict[str, int]  # anchor, shard N, bridges
+    # Per shard index: its host_physical_bytes and its own `memory` figures (arena,
+    # journal, checkpoints, heap, total), as its status reported them.
+    per_shard: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def physical(self) -> int:
@@ -147,10 +171,14 @@ def sample_memory(runtime: Path, client: Client, started: float) -> Sample:
     status = client.status()
     counters = sum(int(s.get("host_physical_bytes", 0)) for s in status["shards"])
     reported: dict[str, int] = {}
+    per_shard: dict[int, dict[str, int]] = {}
     for shard in status["shards"]:
+        figures = per_shard.setdefault(int(shard.get("shard", len(per_shard))), {})
+        figures["host_physical_bytes"] = int(shard.get("host_physical_bytes", 0))
         for key, value in (shard.get("memory") or {}).items():
             if isinstance(value, int):
                 reported[key] = reported.get(key, 0) + value
+                figures[key] = value
     volumes = sum(len(s.get("volumes", [])) for s in status["shards"])
     return Sample(
         time.monotonic() - started,
@@ -162,6 +190,7 @@ def sample_memory(runtime: Path, client: Client, started: float) -> Sample:
         len(pids),
         volumes,
         by_role,
+        per_shard,
     )
 
 
@@ -238,6 +267,44 @@ class AgentStats:
     errors: list[str] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class Schedule:
+    """When the agents stop, and the pause after every agent's first cycle.
+
+    Each agent, once its first cycle is over (its volume and snapshot deleted, or
+    its failure cleaned up), waits at `warmed`; the main thread waits there too,
+    collects and samples the warm start while the agents are quiet, extends the
+    deadline by the pause and sets `resume`.  A barrier broken by its timeout
+    (an agent that never got through its first cycle) means no warm start.
+    """
+
+    deadline: float
+    warmed: threading.Barrier
+    resume: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def first_cycle_over(self) -> None:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            self.warmed.wait(timeout=WARM_UP_SECONDS)
+        self.resume.wait(timeout=WARM_UP_SECONDS)
+
+
+def _one_error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SlatesError) and exc.details:
+        text += f" {exc.details!r}"
+    return text
+
+
+def describe(exc: BaseException) -> str:
+    """An error with everything it carries: a SlatesError's details name the cause
+    (an internal error's `reason` is the shard's real exception), and the error it
+    interrupted, if any (an unmount failing after a failed step)."""
+    text = _one_error(exc)
+    if exc.__context__ is not None and not exc.__suppress_context__:
+        text += f" (while handling {_one_error(exc.__context__)})"
+    return text
+
+
 def _build_tree(where: Path, rng: random.Random, files: int, total: int) -> int:
     """Nested directories of object-like files, `total` bytes in `files` files."""
     payload = rng.randbytes(WRITE_CALL)
@@ -263,40 +330,53 @@ def _agent(
     top: Path,
     green: str,
     number: int,
-    deadline: float,
+    schedule: Schedule,
     stats: AgentStats,
     files: int,
     cycle_bytes: int,
 ) -> None:
     rng = random.Random(number)
+    first = True
     with Client(runtime) as client:
-        while time.monotonic() < deadline:
+        while time.monotonic() < schedule.deadline:
             cycle = stats.cycles
             name = f"agent{number}-c{cycle}"
             mnt = top / f"mnt-{number}"
             mnt.mkdir(exist_ok=True)
             work = snapshot = None
+            step = "create_work"
             try:
                 work = client.create_work(green, name)["id"]
+                step = "mount"
                 client.mount(work, mnt)
                 try:
+                    step = "build tree"
                     stats.written += _build_tree(mnt / "build", rng, files, cycle_bytes)
                     stats.files += files
+                    step = "edit"
                     source = mnt / "src" / f"unit{(number * 10 + cycle) % 40}.c"
                     with open(source, "a") as handle:
                         handle.write(f"/* agent {number} cycle {cycle} */\n")
+                    step = "snapshot"
                     snapshot = client.snapshot(work)
+                    step = "delete tree"
                     shutil.rmtree(mnt / "build")
+                    step = "submit"
                     client.submit(work)
-                finally:
+                    step = "unmount"
+                finally:  # an unmount failing after another step's failure names both
                     client.unmount(mnt)
+                step = "delete_volume"
                 client.delete_volume(work)
                 work = None
+                step = "delete_snapshot"
                 client.delete_snapshot(snapshot)
                 snapshot = None
                 stats.cycles += 1
             except Exception as exc:  # recorded and shown; the agent goes on
-                stats.errors.append(f"cycle {cycle}: {type(exc).__name__}: {exc}")
+                stats.errors.append(
+                    f"cycle {cycle} at {step} (volume {work}, snapshot {snapshot}): {describe(exc)}"
+                )
                 _log(f"agent {number}: {stats.errors[-1]}")
                 if is_mounted(str(mnt)):
                     with contextlib.suppress(Exception):
@@ -309,14 +389,19 @@ def _agent(
                         client.delete_snapshot(snapshot, force=True)
                 if len(stats.errors) > 20:
                     _log(f"agent {number}: too many errors, stopping")
+                    if first:
+                        schedule.first_cycle_over()
                     return
                 time.sleep(1)
+            if first:
+                first = False
+                schedule.first_cycle_over()
 
 
 # -- the report ------------------------------------------------------------------------
 
 
-def _plot(samples: list[Sample], path: Path, title: str) -> str:
+def _plot(samples: list[Sample], path: Path, title: str, warm: Sample | None) -> str:
     try:  # an optional dependency of this benchmark alone: loaded by name, typed Any
         matplotlib: Any = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
@@ -354,6 +439,15 @@ def _plot(samples: list[Sample], path: Path, title: str) -> str:
             linewidth=1.5,
             label="shards' reported memory total",
         )
+    if warm is not None:  # the goal's reference: end within 20% of the warm start
+        axes.axvline(warm.at / 60, color="grey", linestyle=":", linewidth=1)
+        axes.axhline(
+            warm.physical * 1.2 / MiB,
+            color="green",
+            linestyle=":",
+            linewidth=1.5,
+            label=f"goal: warm start + 20% ({warm.physical * 1.2 / MiB:.0f} MiB)",
+        )
     axes.set_xlabel("minutes")
     axes.set_ylabel("MiB")
     axes.set_title(title)
@@ -365,7 +459,38 @@ def _plot(samples: list[Sample], path: Path, title: str) -> str:
     return f"plot: {path}"
 
 
-def _report(samples: list[Sample], start: Sample, end: Sample, stats: list[AgentStats]) -> None:
+def _change(end: Sample, base: Sample) -> float:
+    return (end.physical - base.physical) / base.physical
+
+
+def _shard_table(rows: list[tuple[str, Sample]]) -> None:
+    """Per shard: its process's anonymous RSS (read from /proc here), its counter and
+    its own `memory` figures (kernel-read by the shard)."""
+    keys = ("heap", "arena", "journal", "checkpoints", "total")
+    print(
+        f"{'per shard (MiB)':<32}{'anon rss':>10}{'counter':>10}"
+        + "".join(f"{'mem ' + key[:5]:>11}" for key in keys)
+    )
+    for label, sample in rows:
+        for index, figures in sorted(sample.per_shard.items()):
+            anon = sample.heap_by_role.get(f"shard {index}", 0)
+            print(
+                f"{label + f', shard {index}':<32}{anon / MiB:>10.1f}"
+                f"{figures.get('host_physical_bytes', 0) / MiB:>10.1f}"
+                + "".join(
+                    f"{figures[key] / MiB:>11.1f}" if key in figures else f"{'-':>11}"
+                    for key in keys
+                )
+            )
+
+
+def _report(
+    samples: list[Sample],
+    cold: Sample,
+    warm: Sample | None,
+    end: Sample,
+    stats: list[AgentStats],
+) -> None:
     print(
         f"agents: {len(stats)}, cycles: {sum(s.cycles for s in stats)} "
         f"({', '.join(str(s.cycles) for s in stats)}), files written: "
@@ -374,17 +499,21 @@ def _report(samples: list[Sample], start: Sample, end: Sample, stats: list[Agent
         f"errors: {sum(len(s.errors) for s in stats)}"
     )
     for agent, agent_stats in enumerate(stats):
-        for error in agent_stats.errors[:3]:
+        for error in agent_stats.errors:
             print(f"  agent {agent}: {error}")
     peak = max(samples, key=lambda s: s.physical)
     print(
-        f"{'':<22}{'physical':>12}{'heap':>10}{'arena':>10}{'journal':>10}"
+        f"{'':<24}{'physical':>12}{'heap':>10}{'arena':>10}{'journal':>10}"
         f"{'ckpt':>10}{'other':>10}{'counters':>12}{'ratio':>8}"
     )
-    for label, s in (("start", start), ("peak", peak), ("end (deleted, gc)", end)):
+    rows = [("cold start", cold)]
+    if warm is not None:
+        rows.append(("warm start (cycle 1)", warm))
+    rows += [("peak", peak), ("end (deleted, gc)", end)]
+    for label, s in rows:
         ratio = f"{s.physical / s.counters:.2f}" if s.counters else "-"
         print(
-            f"{label:<22}{s.physical / MiB:>10.1f}Mi{s.heap / MiB:>8.1f}Mi"
+            f"{label:<24}{s.physical / MiB:>10.1f}Mi{s.heap / MiB:>8.1f}Mi"
             f"{s.segments['arena'] / MiB:>8.1f}Mi{s.segments['journal'] / MiB:>8.1f}Mi"
             f"{s.segments['checkpoint'] / MiB:>8.1f}Mi{s.segments['other'] / MiB:>8.1f}Mi"
             f"{s.counters / MiB:>10.1f}Mi{ratio:>8}"
@@ -404,19 +533,65 @@ def _report(samples: list[Sample], start: Sample, end: Sample, stats: list[Agent
             f"bridges' own memory is not in it): median {ratios[len(ratios) // 2]:.2f}, "
             f"min {ratios[0]:.2f}, max {ratios[-1]:.2f}"
         )
-        print(
-            f"the shards' reported memory at the end (MiB): "
-            f"{ {key: round(value / MiB, 1) for key, value in end.reported.items()} }"
-        )
-    for label, s in (("start", start), ("end", end)):
+    quiet = [row for row in rows if row[0] != "peak"]
+    for label, s in quiet:
         roles = ", ".join(f"{role} {nbytes / MiB:.1f}" for role, nbytes in s.heap_by_role.items())
         print(f"heap by process at the {label} (MiB): {roles}")
-    change = (end.physical - start.physical) / start.physical
+    _shard_table(quiet)
+    print(
+        f"end vs cold start: {end.physical / MiB:.1f} MiB vs {cold.physical / MiB:.1f} MiB "
+        f"({_change(end, cold):+.1%}; the cold start is before any cycle warmed the heap)"
+    )
+    if warm is None:
+        print("no warm start (an agent never finished its first cycle): the goal is not judged")
+        return
+    change = _change(end, warm)
     verdict = "within" if abs(change) <= 0.20 else "NOT within"
     print(
-        f"end vs start physical memory: {end.physical / MiB:.1f} MiB vs "
-        f"{start.physical / MiB:.1f} MiB ({change:+.1%}): {verdict} 20% of the start"
+        f"end vs warm start (the goal, within 20%): {end.physical / MiB:.1f} MiB vs "
+        f"{warm.physical / MiB:.1f} MiB ({change:+.1%}): {verdict} 20% of the warm start"
     )
+
+
+def _quiet_sample(client: Client, runtime: Path, started: float, settle: float) -> Sample:
+    """Collect (prune, free, trim), let the shards settle, then sample."""
+    client.gc()
+    time.sleep(settle)
+    return sample_memory(runtime, client, started)
+
+
+def _warm_start(
+    schedule: Schedule, client: Client, runtime: Path, started: float, settle: float
+) -> Sample | None:
+    """Wait for every agent's first cycle, sample while they wait, then let them go on."""
+    paused = time.monotonic()
+    try:
+        schedule.warmed.wait(timeout=WARM_UP_SECONDS)
+    except threading.BrokenBarrierError:
+        _log("an agent did not finish its first cycle in time: no warm start")
+        schedule.resume.set()
+        return None
+    try:
+        return _quiet_sample(client, runtime, started, settle)
+    finally:
+        schedule.deadline += time.monotonic() - paused  # the pause is not soak time
+        schedule.resume.set()
+
+
+def _keep_runtime(top: Path, keep: Path) -> None:
+    """Copy the run's logs (the anchor's, with the shards' stderr in it, the bridges')
+    and state files to `keep`: regular files only, never the approver credential."""
+    for directory, _subdirs, names in os.walk(top):
+        if Path(directory).is_relative_to(top / "project") or "/mnt-" in directory:
+            continue
+        for name in names:
+            source = Path(directory) / name
+            if name == "approver.key" or not source.is_file() or source.is_symlink():
+                continue
+            target = keep / source.relative_to(top)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    _log(f"kept the run's logs and state files in {keep}")
 
 
 def main() -> None:
@@ -436,9 +611,19 @@ def main() -> None:
         action="store_true",
         help="at the end, call malloc_trim(0) in each shard with gdb and sample again",
     )
+    parser.add_argument(
+        "--keep-runtime",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="copy the run's logs (anchor, shards, bridges) and state files to DIR",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
         parser.error("run as root with /dev/fuse: the agents work in FUSE mounts")
+    keep = args.keep_runtime
+    if keep is not None and keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
+        parser.error(f"--keep-runtime {args.keep_runtime}: not an empty directory")
     minutes = 2.0 if args.quick else args.minutes
     if args.png is None:  # a shorter run never replaces the recorded 20-minute plot
         args.png = PNG if minutes == 20 else PNG.with_name(f"soak_memory-{minutes:g}min.png")
@@ -452,18 +637,19 @@ def main() -> None:
             anchor = spawn_anchor(runtime, shards=SHARDS, capacity=args.capacity, log=log)
         with Client(runtime) as client:
             greens = [client.create_green(name, base=top / "project") for name in _green_names()]
-            client.gc()
             started = time.monotonic()
-            time.sleep(1)
-            start = sample_memory(runtime, client, started)
+            cold = _quiet_sample(client, runtime, started, 1.0)
             sampler = Sampler(runtime, args.interval, started)
-            sampler.samples.append(start)
+            sampler.samples.append(cold)
             sampler.start()
             _log(
-                f"soak: {args.agents} agents for {minutes:g} min; start physical "
-                f"{start.physical / MiB:.1f} MiB, counters {start.counters / MiB:.1f} MiB"
+                f"soak: {args.agents} agents for {minutes:g} min; cold start physical "
+                f"{cold.physical / MiB:.1f} MiB, counters {cold.counters / MiB:.1f} MiB"
             )
-            deadline = time.monotonic() + minutes * 60
+            schedule = Schedule(
+                deadline=time.monotonic() + minutes * 60,
+                warmed=threading.Barrier(args.agents + 1),
+            )
             stats = [AgentStats() for _ in range(args.agents)]
             threads = [
                 threading.Thread(
@@ -473,7 +659,7 @@ def main() -> None:
                         top,
                         greens[n % len(greens)],
                         n,
-                        deadline,
+                        schedule,
                         stats[n],
                         args.files,
                         args.cycle_mib * MiB,
@@ -484,6 +670,12 @@ def main() -> None:
             ]
             for thread in threads:
                 thread.start()
+            warm = _warm_start(schedule, client, runtime, started, args.interval)
+            if warm is not None:
+                _log(
+                    f"warm start (every agent's first cycle done, deleted, gc): physical "
+                    f"{warm.physical / MiB:.1f} MiB, counters {warm.counters / MiB:.1f} MiB"
+                )
             shown = time.monotonic()
             while any(thread.is_alive() for thread in threads):
                 time.sleep(1)
@@ -497,10 +689,8 @@ def main() -> None:
                     )
             for thread in threads:
                 thread.join()
-            freed = client.gc()
-            _log(f"agents done; gc freed {freed['freed_bytes'] / MiB:.1f} MiB")
-            time.sleep(args.interval)
-            end = sample_memory(runtime, client, started)
+            end = _quiet_sample(client, runtime, started, args.interval)
+            _log("agents done; collected")
             sampler.stop.set()
             sampler.join()
             samples = [*sampler.samples, end]
@@ -510,14 +700,14 @@ def main() -> None:
             f"{args.cycle_mib} MiB and {args.files} files per cycle"
         )
         print(title)
-        _report(samples, start, end, stats)
+        _report(samples, cold, warm, end, stats)
         if trimmed is not None:
             print(
                 f"after malloc_trim(0) in each shard (gdb): physical "
                 f"{trimmed.physical / MiB:.1f} MiB, heap {trimmed.heap / MiB:.1f} MiB "
                 f"(the rest of the end's heap was free memory malloc kept)"
             )
-        print(_plot(samples, args.png, title))
+        print(_plot(samples, args.png, title, warm))
     finally:
         if sampler is not None:
             sampler.stop.set()
@@ -526,6 +716,8 @@ def main() -> None:
         for mnt in top.glob("mnt-*"):
             if is_mounted(str(mnt)):
                 subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+        if args.keep_runtime is not None:
+            _keep_runtime(top, args.keep_runtime)
         shutil.rmtree(top, ignore_errors=True)
 
 

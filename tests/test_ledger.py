@@ -79,7 +79,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.ledger = Ledger()
-        self.keep = 2
+        self.keep = 5
         self.ledger.apply(GreenMade(GREEN, "snap-0-1", None, GreenPolicy(keep=self.keep)))
         self.roles: dict[str, ModelRole] = dict.fromkeys(WORKS)
         self.versions = 1  # v0

@@ -294,7 +294,9 @@ class Ledger:
         ledger = self.greens[green]
         keep = self.policy(green).keep
         bases = [work.role.base for work in self.works.values() if work.green == green]
-        limit = min([len(ledger) - keep, *bases])
+        # Below 1 while the green has fewer than `keep` versions: a negative slice end
+        # would count from the end and prune live bases, so nothing is pruned then.
+        limit = max(1, min([len(ledger) - keep, *bases]))
         return [v.number for v in ledger[1:limit] if v.snapshot_id and v.snapshot_id not in planned]
 
     def changed_since(self, green: str, since: int) -> list[str]:

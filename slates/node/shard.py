@@ -9,7 +9,11 @@ only then accepts connections.  For each request it asks the service for
 commit), and then replies.  If the journal cannot take a frame even after
 a checkpoint, the shard exits without replying: the anchor restarts it,
 recovery drops the uncommitted change, and the client's retry runs again.
-Never reply to what is not committed.
+Never reply to what is not committed.  A request that fails with an
+exception that is no SlatesError (a bug) is answered by the service as
+VerificationFailed "internal error" with the exception as its `reason`;
+the driver runs the service as LoggedService, which also writes the
+traceback to stderr (the anchor's log), so the bug can be found.
 
 Connections: a hello on the socket names the client; the peer's uid must
 be ours or root (SO_PEERCRED).  With rings, the shard passes a ring pair's
@@ -31,6 +35,7 @@ import socket
 import struct
 import sys
 import time
+import traceback
 from typing import Any
 
 import trio
@@ -147,6 +152,25 @@ def _log(message: str) -> None:
     print(f"slates shard[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
 
 
+class LoggedService(ShardService):
+    """The service as the driver runs it: a bug (an exception that is no SlatesError,
+    answered as VerificationFailed "internal error") leaves its traceback in the log."""
+
+    def _done(
+        self,
+        client: str,
+        principal: Principal,
+        request: Request,
+        *,
+        result: Any = None,
+        error: Exception | None = None,
+    ) -> dict[str, Any]:
+        if error is not None and not isinstance(error, SlatesError):
+            trace = "".join(traceback.format_exception(error)).rstrip()
+            _log(f"internal error in {request.op} (client {client}, seq {request.seq}):\n{trace}")
+        return super()._done(client, principal, request, result=result, error=error)
+
+
 class Shard:
     def __init__(
         self,
@@ -163,7 +187,7 @@ class Shard:
         self.journal = Journal(Segment(journal_fd))
         self.checkpoints = Checkpoints(Segment(checkpoint_fd))
         self.host = Host(capacity=capacity, chunks=ArenaChunks(Segment(arena_fd)))
-        self.service = ShardService(
+        self.service = LoggedService(
             index,
             self.host,
             functools.partial(LiveDirectory, protected=protected),
@@ -247,7 +271,7 @@ class Shard:
         shard goes on serving, refusing new work once the journal is short of room."""
         generation = self.journal.generation + 1
         try:
-            self.checkpoints.write(generation, self.service.checkpoint())
+            self.checkpoints.write(generation, self.service.checkpoint_pieces())
         except CapacityExhausted as exc:
             _log(f"cannot checkpoint ({exc}); the journal keeps every event")
             return
