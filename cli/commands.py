@@ -886,9 +886,17 @@ def work_create(
     is_flag=True,
     help="List what would be submitted, and its conflicts; change nothing.",
 )
+@click.option(
+    "--durability",
+    type=click.Choice(["restart", "host", "region"]),
+    default=None,
+    help="Wait until the version reaches this scope (host: f+1 holders on other hosts).",
+)
 @runtime_dir_option
 @json_option
-def submit(work_ref: str, dry_run: bool, runtime_dir: str | None, as_json: bool) -> None:
+def submit(
+    work_ref: str, dry_run: bool, durability: str | None, runtime_dir: str | None, as_json: bool
+) -> None:
     """Offer WORK's changes (by id or unique name) to its green volume.
 
     Accepted, they become the green volume's new head version, and WORK
@@ -902,7 +910,7 @@ def submit(work_ref: str, dry_run: bool, runtime_dir: str | None, as_json: bool)
     """
     with _client(runtime_dir) as client:
         vid = client.resolve(work_ref, "work")
-        result: dict[str, Any] = client.submit(vid, dry_run=dry_run)
+        result: dict[str, Any] = client.submit(vid, dry_run=dry_run, durability=durability)
     if not result["ok"]:
         kept = "the green head is unchanged and the work volume keeps its edits"
         _refused("submit", vid, result, as_json, kept)
@@ -922,6 +930,8 @@ def submit(work_ref: str, dry_run: bool, runtime_dir: str | None, as_json: bool)
             f"{vid}: accepted; the green head is version {result['version']}"
             f"{kept if private else ''}"
         )
+        if durability is not None:
+            click.echo(f"  durability: {result['durability']} (asked: {durability})")
     for path in result["refined"]:
         click.echo(f"  {path}: rewritten whole; submitted as the edits that remain", err=True)
     for path in result["literal"]:

@@ -1,7 +1,7 @@
 """`slates fleet`: the fleet's CA, host enrollment, and the enrolled hosts.
 
-Theory of operation: a click group of three thin commands over
-slates.fleet (DESIGN.md section 7):
+Theory of operation: a click group of thin commands over slates.fleet
+(DESIGN.md section 7):
 
 - `fleet init DIR` makes the fleet's CA in DIR (slates.fleet.pki.init_fleet;
   never overwrites one) and prints its fingerprint;
@@ -12,7 +12,10 @@ slates.fleet (DESIGN.md section 7):
   serf's verdict.  By default it asks the running fleet link on the
   runtime directory (RUNTIME/fleet.sock, slates.fleet.link's `hosts`);
   with `--config FILE` (a host's fleet config) it reads etcd and the serf
-  agent named there itself, so it works where no link runs.
+  agent named there itself, so it works where no link runs;
+- `fleet owner GREEN` prints GREEN's configuration in etcd (the link's
+  `owner`), and `fleet takeover GREEN --epoch E` asks the link to commit
+  this host as owner at E+1 and recover GREEN (the link's `takeover`).
 
 Errors are printed as main.py prints them (`error: <code>: <message>`,
 exit 2 for the caller's faults, 1 otherwise); this module does not import
@@ -158,6 +161,52 @@ def hosts_command(as_json: bool, runtime_dir: str | None, config_path: str | Non
             row["serf"],
         )
     Console().print(table)
+
+
+def _link_call(runtime_dir: str | None, message: dict[str, Any]) -> Any:
+    from slates.fleet.link_client import call_link, link_socket
+    from slates.node.runtime import Runtime
+
+    try:
+        return call_link(link_socket(Runtime(runtime_dir).path), message, timeout=120)
+    except SlatesError as exc:
+        _fail(exc)
+
+
+_RUNTIME = click.option(
+    "--runtime-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where the service and its fleet link live (default: $SLATES_RUNTIME_DIR, ...).",
+)
+
+
+@fleet.command("owner")
+@click.argument("green")
+@_RUNTIME
+def owner_command(green: str, runtime_dir: str | None) -> None:
+    """GREEN's configuration in etcd (GREEN is a fleet name, <id>@<host>), as JSON."""
+    import json
+
+    click.echo(json.dumps(_link_call(runtime_dir, {"op": "owner", "green": green}), indent=1))
+
+
+@fleet.command("takeover")
+@click.argument("green")
+@click.option("--epoch", type=int, required=True, help="The epoch etcd is expected to hold.")
+@_RUNTIME
+def takeover_command(green: str, epoch: int, runtime_dir: str | None) -> None:
+    """Make this host GREEN's owner at EPOCH+1 and recover it from its holders.
+
+    What a failed verdict does by itself; refused (EpochFenced) when etcd
+    has moved past EPOCH, and while serf sees the owner's host alive.
+    """
+    message = {"op": "takeover", "green": green, "epoch": epoch}
+    result = _link_call(runtime_dir, message)
+    click.echo(
+        f"{green}: owned here at epoch {result['epoch']} as {result['local']} "
+        f"({result['versions']} versions recovered)"
+    )
 
 
 if __name__ == "__main__":  # `python -m slates_cli.fleet`, until main.py registers the group

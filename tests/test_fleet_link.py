@@ -656,3 +656,12 @@ def test_holders_are_odd_distinct_and_start_with_the_owner(
         live_hosts = {r.host for r in live}
         chosen_live = sum(c.peer.host in live_hosts for c in candidates[1:])
         assert chosen_live == min(2, len(live_domains))
+
+
+def test_an_optional_lease_ttl_is_checked() -> None:
+    assert parse_host_config(dict(VALID)).lease_ttl is None
+    assert parse_host_config({**VALID, "lease_ttl": 5}).lease_ttl == 5
+    for bad in (1, 301, "5", True, 2.5):
+        with pytest.raises(InvalidArgument) as caught:
+            parse_host_config({**VALID, "lease_ttl": bad})
+        assert caught.value.details["field"] == "lease_ttl"

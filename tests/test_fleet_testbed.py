@@ -18,7 +18,8 @@ volume h1's own SDK then lists) and h1's green is registered in etcd with
 three holders in three failure domains (f=1); `kill h1` takes every
 process of h1 at once, and h2's link reports h1 failed (serf) and its lease
 gone while etcd on h2 and h3 still answers (h3 reads h1's green's
-configuration through its link, and etcd on h2 is healthy from h3), and a
+configuration through its link: h1's at epoch 1, or h2's at epoch 2 once
+h2 took it over, and etcd on h2 is healthy from h3), and a
 forward to h1 is refused at once with Unavailable (serf's verdict).
 Timings are printed, never asserted.  Runs as root.
 """
@@ -255,7 +256,8 @@ def test_killing_h1_is_seen_by_serf_on_h2_while_etcd_answers(bed: Bed) -> None:
     # etcd on h2 and h3 still has a quorum: h3's link reads h1's green's configuration.
     assert bed.green is not None, "the green test runs first"
     config = call_link(bed.socket("h3"), {"op": "owner", "green": bed.green})
-    assert config["owner"]["host"] == "h1"
+    # h2, the first live holder candidate, takes the green over (tests/test_fleet_failover.py).
+    assert (config["owner"]["host"], config["epoch"]) in (("h1", 1), ("h2", 2)), config
     assert bed.rows("h3")["h2"]["serf"] == "alive"
     request = {"seq": 1, "ack": 0, "op": "volume.list", "args": {}}
     message = {

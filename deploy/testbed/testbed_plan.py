@@ -34,6 +34,7 @@ ETCD_PEER_PORT = 2380
 SERF_PORT = 7946
 SERF_RPC = "127.0.0.1:7373"
 QUIC_PORT = 4433
+LEASE_TTL = 5  # seconds: the hosts' alive keys in etcd (fleet.json's lease_ttl)
 BRIDGE = "slates-br0"
 HOST_IFACE = "eth0"
 NFT_TABLE = "slates_testbed"
@@ -189,6 +190,9 @@ def fleet_config(host: Host, hosts: Sequence[Host], cert_dir: Path) -> dict[str,
         "serf_rpc_address": SERF_RPC,
         "quic_address": f"{host.address}:{QUIC_PORT}",
         "cert_dir": str(cert_dir),
+        # A short lease: etcd renews every lease when its leader changes (a killed host
+        # may have been the leader), so a host's loss shows in etcd a lease's life later.
+        "lease_ttl": LEASE_TTL,
     }
 
 

@@ -5,7 +5,8 @@ Pure machines (records in, messages and results out, time passed in):
 msgpack form), `ledger` (version values, chunks, recomputation), `holder`
 (the acceptor), `owner` with `flight`, `copies`, `recovery` and `results`
 (the proposer, its durability knowledge, failover and saved results), and
-`node` (one host's machines).  The deterministic simulator: `sim` (entry
+`node` (one host's machines); `replica` maps a real green's versions (tree
+records and chunks) onto those machines' values.  The deterministic simulator: `sim` (entry
 point, `python -m slates.fleet.sim`), `world`, `council`, `simclients` and
 `invariants`; `scripted` is a hand-scripted network for scenario tests.
 
@@ -13,5 +14,8 @@ Drivers (thin, real I/O): `pki` (the fleet CA and host enrolment, with the
 cryptography package), `quic` (mutual-TLS QUIC between enrolled hosts,
 aioquic's sans-I/O connection driven from trio), `etcd` (the configuration
 group through etcd's v3 JSON gateway) and `serf` (membership and failure
-verdicts from Debian's serf agent).
+verdicts from Debian's serf agent).  The fleet link (`link`, with
+`link_rules`, `link_forward`, `link_client`, and `link_replicate` +
+`link_tree` for replication, durability waits, takeover and recovery of
+real greens) is the process that joins a host to the fleet.
 """

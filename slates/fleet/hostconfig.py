@@ -4,7 +4,9 @@ Theory of operation.  `slates anchor --fleet CONFIG` and the fleet link
 (`python -m slates.fleet.link --config CONFIG`) read one JSON object with
 exactly the fields the testbed writes (deploy/testbed/testbed_plan.py's
 `fleet_config`): `host_id`, `failure_domain`, `etcd_endpoints`,
-`serf_address`, `serf_rpc_address`, `quic_address` and `cert_dir`.
+`serf_address`, `serf_rpc_address`, `quic_address` and `cert_dir`, and
+optionally `lease_ttl` (seconds, 2..300: how long etcd keeps the host's
+alive key after its last keepalive; the link's default, 10, without it).
 `parse_host_config` turns such an object into a frozen `HostConfig`,
 checking every field and naming the one that is wrong (InvalidArgument
 with field=...); an unknown field is refused too, so a typo never goes
@@ -56,6 +58,8 @@ FIELDS: Final = (
     "quic_address",
     "cert_dir",
 )
+OPTIONAL_FIELDS: Final = ("lease_ttl",)
+MAX_LEASE_TTL: Final = 300
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,6 +71,7 @@ class HostConfig:
     serf_rpc_address: str  # loopback IP:port of the serf agent's RPC
     quic_address: str  # IP:port the fleet link serves QUIC on
     cert_dir: Path
+    lease_ttl: int | None = None  # None: the link's own default
 
     @property
     def quic_endpoint(self) -> tuple[str, int]:
@@ -157,7 +162,7 @@ def parse_host_config(data: object, *, relative_to: Path | None = None) -> HostC
     """A `HostConfig` from the decoded JSON object; InvalidArgument naming the bad field."""
     if not isinstance(data, dict):
         raise InvalidArgument("the fleet config is a JSON object")
-    unknown = sorted(str(k) for k in data if k not in FIELDS)
+    unknown = sorted(str(k) for k in data if k not in FIELDS + OPTIONAL_FIELDS)
     if unknown:
         raise InvalidArgument("unknown field in the fleet config", field=unknown[0])
     for name in FIELDS:
@@ -178,7 +183,16 @@ def parse_host_config(data: object, *, relative_to: Path | None = None) -> HostC
         serf_rpc_address=rpc,
         quic_address=quic,
         cert_dir=_cert_dir(fields["cert_dir"], relative_to),
+        lease_ttl=_lease_ttl(fields.get("lease_ttl")),
     )
+
+
+def _lease_ttl(raw: object) -> int | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, int) or isinstance(raw, bool) or not 2 <= raw <= MAX_LEASE_TTL:
+        raise InvalidArgument(f"lease_ttl is 2..{MAX_LEASE_TTL} seconds", field="lease_ttl")
+    return raw
 
 
 def load_host_config(path: str | os.PathLike[str]) -> HostConfig:

@@ -11,8 +11,10 @@ it) and is the host's only speaker to other hosts.  At start it
    certificate's fingerprint, the failure domain, the QUIC and serf
    addresses and a boot id made fresh at every start (a host that lost its
    RAM comes back as a new identity that holds nothing);
-3. puts its alive key under a lease and keeps the lease alive (a lapsed
-   lease, e.g. after a long etcd outage, is replaced by a new one);
+3. puts its alive key under a lease (LinkOptions.lease_ttl, or the host
+   config's lease_ttl when --lease-ttl is not given) and keeps the lease
+   alive (a lapsed lease, e.g. after a long etcd outage, is replaced by a
+   new one);
 4. attaches to the host's serf agent at serf_rpc_address when one answers
    there (the testbed starts one), else starts one itself (joined to the
    enrolled hosts' serf addresses, stopped by pid when the link ends), and
@@ -28,7 +30,15 @@ it) and is the host's only speaker to other hosts.  At start it
    boot at epoch 1).  A green whose name etcd already gives to another
    owner (a volume id reused after a RAM loss, whose old green another
    host took over) is not taken back: it is reported in `conflicts`.  A
-   green deleted here keeps its etcd configuration (not removed yet).
+   green deleted here keeps its etcd configuration (not removed yet);
+7. replicates (slates.fleet.link_replicate, whose docstring has the
+   details): about once a second it reads every green's configuration
+   from etcd (the cache the routing below uses), ships each new version
+   of the greens this host owns to their holder candidates, and holds,
+   in RAM, what other owners ship here; on serf's failed verdict for a
+   host it takes over the greens that host owned if it is their chosen
+   successor (one etcd transaction comparing the old epoch, then
+   recovery from the holders), and serves them under their fleet names.
 
 fleet.sock speaks framed msgpack (slates.node.protocol's frame/pack/unpack),
 any number of requests per connection, one at a time, each answered
@@ -41,7 +51,29 @@ any number of requests per connection, one at a time, each answered
 - `{"op": "hosts"}`: this host and boot, etcd's enrolled hosts with their
   lease and serf's verdict (link_rules.host_listing), recent serf events;
 - `{"op": "owner", "green": NAME}`: etcd's configuration of green NAME
-  (owner host and boot, epoch, revision, holders), NotFound without one.
+  (owner host and boot, epoch, revision, holders), NotFound without one;
+- `{"op": "durable", "host": H, "shard": N, "work": ID, "version": V,
+  "scope": S, "timeout": T}`: wait (at most T s) until version V of work
+  volume ID's green reaches scope S ("restart", "host", "region") and
+  answer `{"durability", "scopes", ...}`; H ("" for this host) is where
+  the work volume lives, whose link does the waiting;
+- `{"op": "takeover", "green": NAME, "epoch": E}`: commit this host as
+  NAME's owner at E+1 and recover it, as a failed verdict does;
+  EpochFenced (with the committed owner) when etcd is no longer at E,
+  InvalidArgument while serf sees the owner's host alive (its shard
+  would go on accepting submissions: no live moves yet).
+
+Routing by ownership.  A forward names the host whose ids it carries
+(`names`, the volume's original owner; the target host by default).  When
+the cached configuration of the green such an id names (`<id>@<names>`)
+has an owner on another host than the target, the link answers NotOwner
+with `owner_host` and the client resends there (slates.fleet.link_client).
+The serving link refuses the same way, and translates the ids of a green
+it adopted into its local copy's (as another client id,
+link_rules.adopted_client_id, since the client numbers its requests per
+original host); new volumes it makes for such a request are answered as
+`<id>@<this host>`.  Only the link routes by ownership: a local client of
+a host's anchor reaches its shard directly (known gap, below).
 
 Requests arriving over QUIC come from a host the handshake authenticated
 against the fleet's CA; the link also requires that host to be enrolled in
@@ -51,13 +83,19 @@ the host id): a re-issued certificate for an enrolled host id is accepted.
 
 A forward to a host serf has declared failed (or left) is refused at once
 with Unavailable, and the connection to it is dropped when the verdict
-arrives: the caller learns in milliseconds, not after the transport's
-timeouts, and may go elsewhere.  Before serf's verdict a forward to a dead
+arrives, ending the requests in flight to it with Unavailable too: the
+caller learns in milliseconds, not after the transport's timeouts, and
+may go elsewhere.  Before serf's verdict a forward to a dead
 host waits out its own timeout (LinkOptions.forward_timeout, all retries
 included).
 
 Only the operator's requests are forwarded this session (link_forward's
 docstring): an agent's principal does not yet travel between hosts.
+Known gap: a shard does not consult the fleet's ownership, so an old
+owner that is alive but cut off (a partition, not a loss) still accepts
+submissions from its own local clients; its link's shipping is then
+refused EpochFenced by the holders and a durability wait on it reaches
+only `restart`.
 
 Bounds: local connections (MAX_LOCAL_CONNECTIONS, then CapacityExhausted),
 local frames (MAX_LOCAL_FRAME), QUIC requests and replies (LINK_LIMITS: 17
@@ -108,6 +146,7 @@ from slates.errors import (
     CapacityExhausted,
     InvalidArgument,
     NotFound,
+    NotOwner,
     SlatesError,
     Unavailable,
     VerificationFailed,
@@ -117,16 +156,23 @@ from slates.fleet.config import GreenConfig, HolderSet, Peer
 from slates.fleet.etcd import Council, HostRecord, Lease
 from slates.fleet.hostconfig import HostConfig, load_host_config, parse_address
 from slates.fleet.link_forward import PeerPool, ShardLines
+from slates.fleet.link_replicate import Replicator
 from slates.fleet.link_rules import (
+    Durable,
     Forward,
     LocalRequest,
     RemoteForward,
+    Takeover,
+    adopted_client_id,
+    durable_payload,
     first_config,
     fleet_name,
     host_listing,
     parse_local,
     parse_remote,
+    parse_remote_durable,
     remote_payload,
+    volume_refs,
 )
 from slates.fleet.pki import HostCredentials, load_credentials
 from slates.fleet.quic import TransportLimits, serve
@@ -164,6 +210,7 @@ class LinkOptions:
     forward_timeout: float = 30.0  # one forwarded request, end to end
     shard_timeout: float = 25.0  # the serving side's share of it
     serf_profile: Literal["lan", "local", "wan"] = "lan"
+    hold_bytes: int = 512 << 20  # what this host's holder keeps of other owners' versions
 
     def __post_init__(self) -> None:
         if self.lease_ttl < 2 or self.poll_interval <= 0:
@@ -178,7 +225,8 @@ DEFAULTS: Final = LinkOptions()
 
 
 def _log(message: str) -> None:
-    print(f"fleet link: {message}", file=sys.stderr, flush=True)
+    stamp = time.strftime("%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}"
+    print(f"fleet link: {stamp} {message}", file=sys.stderr, flush=True)
 
 
 def _config_view(config: GreenConfig) -> dict[str, Any]:
@@ -250,6 +298,65 @@ class FleetLink:
         self.ended = trio.Event()  # the anchor is gone: the link ends with it
         self.anchor_pid: int | None = None
         self._lock_fd: int | None = None
+        self._own_lock = trio.Lock()
+        self._down: dict[str, trio.Event] = {}  # per host: set while serf says it is not alive
+        self._nursery: trio.Nursery | None = None
+        self.replicator = Replicator(
+            Peer(config.host_id, self.boot_id),
+            self.options.hold_bytes,
+            runtime.path,
+            self._own_request,
+            self._peer_request,
+            self._council,
+            council,
+            self._alive_hosts,
+            _log,
+        )
+
+    def _alive_hosts(self) -> set[str]:
+        return {name for name, m in self.watch.known.items() if m.status == "alive"}
+
+    def _down_event(self, host: str) -> trio.Event:
+        event = self._down.get(host)
+        if event is None:
+            event = self._down[host] = trio.Event()
+            verdict = self.watch.known.get(host)
+            if verdict is not None and verdict.status != "alive":
+                event.set()
+        return event
+
+    async def _peer_request(self, host: str, payload: bytes, timeout: float) -> bytes:
+        """One request to a peer's link, given up at once when serf declares it failed
+        (the caller learns then, not after the transport's timeouts)."""
+        if self.peers is None:
+            raise Unavailable("the fleet link is not serving yet")
+        peers, down = self.peers, self._down_event(host)
+        if down.is_set():
+            verdict = self.watch.known.get(host)
+            status = verdict.status if verdict is not None else "failed"
+            raise Unavailable(f"serf declares the host {status}", host=host, serf=status)
+        answer: list[bytes] = []
+        failure: list[SlatesError] = []
+        async with trio.open_nursery() as nursery:
+
+            async def call() -> None:
+                try:
+                    answer.append(await peers.request(host, payload, timeout=timeout))
+                except SlatesError as exc:  # raised below as itself, not in a group
+                    failure.append(exc)
+                nursery.cancel_scope.cancel()
+
+            async def watch() -> None:
+                await down.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(call)
+            nursery.start_soon(watch)
+        if failure:
+            raise failure[0]
+        if not answer:
+            raise Unavailable("serf declares the host failed", host=host, serf="failed")
+        return answer[0]
 
     @property
     def socket_path(self) -> Path:
@@ -363,6 +470,8 @@ class FleetLink:
                     nursery.start_soon(self._keepalive_loop)
                     nursery.start_soon(self._membership_loop)
                     nursery.start_soon(self._register_loop)
+                    nursery.start_soon(self._ship_loop)
+                    self._nursery = nursery
                     nursery.start_soon(self._anchor_loop)
                     await nursery.start(self._serve_local)
                     self._write_state()
@@ -408,8 +517,16 @@ class FleetLink:
                 for event in await trio.to_thread.run_sync(self.watch.poll):
                     self.events.append(event)
                     _log(f"serf: {event.member.name} {event.kind}")
+                    if event.kind == "alive":
+                        if self._down_event(event.member.name).is_set():
+                            self._down[event.member.name] = trio.Event()
+                    else:
+                        self._down_event(event.member.name).set()  # its requests end now
                     if event.kind != "alive" and self.peers is not None:
                         self.peers.drop(event.member.name)  # its connection is as dead
+                    if event.kind == "failed" and self._nursery is not None:
+                        # A verdict only starts a takeover; etcd's transaction decides it.
+                        self._nursery.start_soon(self._on_failed, event.member.name)
                 self._report("membership", None)
             except SlatesError as exc:
                 self._report("membership", exc)
@@ -431,6 +548,31 @@ class FleetLink:
                 return
             await trio.sleep(self.options.poll_interval)
 
+    async def _on_failed(self, host: str) -> None:
+        nursery = self._nursery
+        if nursery is None:
+            return  # not serving yet: the first poll of the next start sees the verdict
+        try:
+            await self.replicator.on_failed(host, nursery.start_soon)
+        except SlatesError as exc:
+            self._report("takeover", exc)
+
+    async def _ship_loop(self) -> None:
+        """Ship every new version of the greens this host owns to their holders."""
+        while True:
+            try:
+                await self.replicator.refresh()
+                owned = [
+                    name
+                    for name, config in self.replicator.configs.items()
+                    if config.owner == self.replicator.me
+                ]
+                await self.replicator.ship_all(owned)
+                self._report("shipping", None)
+            except SlatesError as exc:
+                self._report("shipping", exc)
+            await trio.sleep(self.options.poll_interval)
+
     async def _register_loop(self) -> None:
         while True:
             try:
@@ -441,16 +583,19 @@ class FleetLink:
             await trio.sleep(self.options.poll_interval)
 
     async def _own_request(self, shard: int, op: str, args: dict[str, Any]) -> Any:
-        """A request of the link's own client on a local shard (read-only ops only)."""
-        self._own_seq += 1
-        client = f"fleet-link-{self.boot_id[:16]}"
-        forward = RemoteForward(
-            self.config.host_id,
-            shard,
-            client,
-            {"seq": self._own_seq, "ack": self._own_seq - 1, "op": op, "args": args},
-        )
-        reply = unpack(await self.lines.run(forward, timeout=self.options.shard_timeout))
+        """A request of the link's own client on a local shard, one at a time (the
+        registration's listings; the replication's exports, imports and replays)."""
+        async with self._own_lock:
+            self._own_seq += 1
+            client = f"fleet-link-{self.boot_id[:16]}"
+            forward = RemoteForward(
+                self.config.host_id,
+                shard,
+                client,
+                {"seq": self._own_seq, "ack": self._own_seq - 1, "op": op, "args": args},
+            )
+            raw = await self.lines.run(forward, timeout=self.options.shard_timeout)
+        reply = unpack(raw)
         if reply.get("ok") is not True:
             error = reply.get("error")
             raise error_from_wire(error if isinstance(error, dict) else {})
@@ -466,8 +611,14 @@ class FleetLink:
             volumes = await self._own_request(info.index, "volume.list", {})
             if not isinstance(volumes, list):
                 raise VerificationFailed("volume.list answered something other than a list")
+            adopted = {local for _, local in self.replicator.adopted.values()}
             greens += [
-                str(v["id"]) for v in volumes if isinstance(v, dict) and v.get("role") == "green"
+                str(v["id"])
+                for v in volumes
+                if isinstance(v, dict)
+                and v.get("role") == "green"
+                and v.get("name") not in self.replicator.trees.importing
+                and v.get("id") not in adopted  # served under its original fleet name
             ]
         pending = [g for g in greens if fleet_name(self.config.host_id, g) not in self.registered]
         if not pending:
@@ -514,8 +665,70 @@ class FleetLink:
 
     async def _handle_remote(self, peer_host: str, payload: bytes) -> bytes:
         await self._check_enrolled(peer_host)
-        forward = parse_remote(peer_host, unpack(payload))
-        return await self.lines.run(forward, timeout=self.options.shard_timeout)
+        message = unpack(payload)
+        if not isinstance(message, dict):
+            raise InvalidArgument("a fleet request is a map")
+        match message.get("kind", "forward"):
+            case "forward":
+                return await self._serve(parse_remote(peer_host, message))
+            case "ledger":
+                return await self.replicator.handle_ledger(peer_host, message)
+            case "durable":
+                result = await self._durable(parse_remote_durable(message))
+                return pack(result)
+            case kind:
+                raise InvalidArgument("unknown fleet request kind", kind=str(kind))
+
+    async def _serve(self, forward: RemoteForward) -> bytes:
+        """Run a forward on a shard of this host, its ids translated (module doc: owners)."""
+        names = forward.names or self.config.host_id
+        me = self.config.host_id
+        refs = volume_refs(forward.request)
+        shard, args, translated = forward.shard, dict(forward.request.get("args") or {}), False
+        for key, local_id in refs.items():
+            name = fleet_name(names, local_id)
+            owner = self.replicator.owner_elsewhere(name)
+            if owner is not None and owner != me:  # etcd moved it on: even an adopted copy
+                raise NotOwner("the green has another owner", green=name, owner_host=owner)
+            if names != me:
+                adopted = self.replicator.adopted.get(name)
+                if adopted is None and self.replicator.recovering(name):
+                    raise Unavailable("the green is being recovered here", green=name)
+                if adopted is None:
+                    raise NotFound("this host serves no such volume of that host", volume=name)
+                shard, args[key] = adopted
+                translated = True
+        if translated:
+            # The client numbers its requests per (original host, shard): on this shard
+            # they are another client than its requests for this host's own volumes.
+            client = adopted_client_id(names, forward.client)
+            request = {**forward.request, "args": args}
+            forward = dataclasses.replace(forward, shard=shard, client=client, request=request)
+        raw = await self.lines.run(forward, timeout=self.options.shard_timeout)
+        if not translated:
+            return raw
+        reply = unpack(raw)
+        result = reply.get("result") if isinstance(reply, dict) else None
+        if reply.get("ok") is True and isinstance(result, dict):
+            if isinstance(result.get("id"), str) and "@" not in result["id"]:
+                result["id"] = fleet_name(me, result["id"])  # a new volume here is ours
+            if isinstance(result.get("green"), str) and "@" not in result["green"]:
+                result["green"] = self.replicator.name_of(result["green"], shard)
+            return pack(reply)
+        return raw
+
+    async def _durable(self, request: Durable) -> dict[str, Any]:
+        if request.host and request.host != self.config.host_id:
+            raw = await self._peer_request(
+                request.host, pack(durable_payload(request)), request.timeout + 10
+            )
+            result = unpack(raw)
+            if not isinstance(result, dict):
+                raise VerificationFailed("a durability answer is a map")
+            return result
+        return await self.replicator.durable(
+            request.shard, request.work, request.version, request.scope, request.timeout
+        )
 
     # -- the local socket
 
@@ -577,6 +790,20 @@ class FleetLink:
                 return await self.forward(request)
             case LocalRequest(op="hosts"):
                 return await self.hosts()
+            case Durable():
+                return await self._durable(request)
+            case Takeover(green=green, epoch=epoch):
+                current = await self.replicator.config(green, epoch)
+                verdict = self.watch.known.get(current.owner.host)
+                alive = verdict is not None and verdict.status == "alive"
+                if alive and current.epoch == epoch and current.owner.host != self.config.host_id:
+                    # Its shard would go on accepting submissions: no live moves yet.
+                    raise InvalidArgument(
+                        "the owner's host is alive; a takeover follows a failed verdict",
+                        green=green,
+                        owner_host=current.owner.host,
+                    )
+                return await self.replicator.take_over(green, epoch)
             case LocalRequest(op="owner", green=str(green)):
                 config = await self._council(self.council.green, green)
                 if config is None:
@@ -586,19 +813,30 @@ class FleetLink:
                 raise InvalidArgument("unknown fleet link request", request=repr(request))
 
     async def forward(self, request: Forward) -> bytes:
+        names = request.names or request.host
+        for local_id in volume_refs(request.request).values():
+            owner = self.replicator.owner_elsewhere(fleet_name(names, local_id))
+            if owner is not None and owner != request.host:
+                # etcd has committed another owner: the client follows it (same request id).
+                raise NotOwner(
+                    "the green has another owner",
+                    green=fleet_name(names, local_id),
+                    owner_host=owner,
+                )
         if request.host == self.config.host_id:
-            remote = RemoteForward(request.host, request.shard, request.client, request.request)
-            return await self.lines.run(remote, timeout=self.options.shard_timeout)
+            remote = RemoteForward(
+                request.host,
+                request.shard,
+                request.client,
+                request.request,
+                "" if names == request.host else names,
+            )
+            return await self._serve(remote)
         if self.peers is None:
             raise Unavailable("the fleet link is not serving yet")
-        verdict = self.watch.known.get(request.host)
-        if verdict is not None and verdict.status != "alive":
-            # Fail fast: waiting out timeouts against a host serf declared gone helps nobody.
-            raise Unavailable(
-                f"serf declares the host {verdict.status}", host=request.host, serf=verdict.status
-            )
-        return await self.peers.request(
-            request.host, pack(remote_payload(request)), timeout=self.options.forward_timeout
+        # Fail fast: waiting out timeouts against a host serf declared gone helps nobody.
+        return await self._peer_request(
+            request.host, pack(remote_payload(request)), self.options.forward_timeout
         )
 
     async def hosts(self) -> dict[str, Any]:
@@ -612,6 +850,13 @@ class FleetLink:
             "events": [{"member": e.member.name, "kind": e.kind} for e in self.events],
             "conflicts": dict(self.conflicts),
             "peers": [] if self.peers is None else self.peers.connected,
+            "adopted": {name: local for name, (_, local) in self.replicator.adopted.items()},
+            "takeovers": dict(self.replicator.takeovers),
+            "held": {  # per green this host holds versions of: its committed prefix
+                name: self.replicator.holder.prefix(name)
+                for name in self.replicator.configs
+                if self.replicator.holder.accepted(name)
+            },
         }
 
 
@@ -649,6 +894,10 @@ def run_link(
 ) -> int:
     """Run the link until SIGTERM/SIGINT; the process's exit code."""
     config = load_host_config(config_path)
+    if config.lease_ttl is not None and (
+        options is None or options.lease_ttl == DEFAULTS.lease_ttl
+    ):
+        options = dataclasses.replace(options or DEFAULTS, lease_ttl=config.lease_ttl)
     creds = load_credentials(config.cert_dir)
     runtime = Runtime(runtime_dir)
     with Council(config.etcd_endpoints) as council:

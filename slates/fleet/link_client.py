@@ -12,8 +12,11 @@ request gets its sequence number once and keeps it on every resend.  A
 resend happens when the link does not answer or answers Unavailable (a
 peer unreachable for now), and when a host answers NotOwner naming the
 committed owner in its details (`owner_host`): the same request then goes
-to that host.  Both are bounded (`attempts` sends in all), and past them
-the last error is raised.  Nothing else is retried.
+to that host.  Every send names the host whose ids the request carries
+(`names`: the volume's original owner), so the new owner's link can
+translate them to its adopted copy (slates.fleet.link).  Both are bounded
+(`attempts` sends in all, pauses growing to MAX_RESEND_PAUSE), and past
+them the last error is raised.  Nothing else is retried.
 
 Only operator clients should forward (slates.fleet.link_forward: an agent's
 principal does not travel between hosts yet).
@@ -38,6 +41,7 @@ MAX_ANSWER: Final = 18 << 20  # a forwarded reply is at most 17 MiB (slates.flee
 RECEIVE_BYTES: Final = 1 << 16
 SOCKET_NAME: Final = "fleet.sock"
 RESEND_PAUSE: Final = 0.1
+MAX_RESEND_PAUSE: Final = 1.0
 
 
 def link_socket(runtime_dir: str | Path) -> Path:
@@ -111,9 +115,10 @@ class Forwarder:
         client_id: str,
         socket_path: str | Path,
         *,
-        attempts: int = 4,
+        attempts: int = 8,
         timeout: float = 60.0,
         max_sessions: int = 1024,
+        blocking: bool = False,
     ) -> None:
         if attempts < 1 or timeout <= 0 or max_sessions < 1:
             raise InvalidArgument("a forwarder makes at least one attempt, within a time")
@@ -122,6 +127,7 @@ class Forwarder:
         self.attempts = attempts
         self.timeout = timeout
         self.max_sessions = max_sessions
+        self.blocking = blocking  # the blocking Client's: its coroutines never suspend
         self._sessions: dict[tuple[str, int], ShardSession] = {}
         self._locks: dict[tuple[str, int], trio.Lock] = {}
 
@@ -137,33 +143,47 @@ class Forwarder:
     async def request(self, host: str, shard: int, op: str, args: dict[str, Any]) -> Any:
         """Run `op` on `host`'s shard `shard`: its result, or the error it raised."""
         session, lock = self._session((host, shard))
+        if self.blocking:  # one thread, one request at a time: no lock to wait on
+            return await self._request(session, host, shard, op, args)
         async with lock:
-            outgoing = session.start(op, args)
-            wire = unpack(outgoing.message)
-            target = host
-            last: SlatesError | None = None
-            for attempt in range(self.attempts):
-                if attempt:
-                    await trio.sleep(RESEND_PAUSE * attempt)
-                message = {
-                    "op": "forward",
-                    "host": target,
-                    "shard": shard,
-                    "client": self.client_id,
-                    "request": wire,
-                }
-                try:
+            return await self._request(session, host, shard, op, args)
+
+    async def _request(
+        self, session: ShardSession, host: str, shard: int, op: str, args: dict[str, Any]
+    ) -> Any:
+        outgoing = session.start(op, args)
+        wire = unpack(outgoing.message)
+        target = host
+        last: SlatesError | None = None
+        for attempt in range(self.attempts):
+            if attempt:
+                pause = min(RESEND_PAUSE * attempt, MAX_RESEND_PAUSE)
+                if self.blocking:
+                    time.sleep(pause)
+                else:
+                    await trio.sleep(pause)
+            message = {
+                "op": "forward",
+                "host": target,
+                "shard": shard,
+                "client": self.client_id,
+                "request": wire,
+                "names": host,  # the ids in the request are `host`'s, wherever it goes
+            }
+            try:
+                if self.blocking:
+                    reply = call_link(self.socket_path, message, timeout=self.timeout)
+                else:
                     reply = await acall_link(self.socket_path, message, timeout=self.timeout)
-                except Unavailable as exc:
-                    last = exc
-                    continue
                 if not isinstance(reply, bytes):
                     raise SlatesError("the fleet link answered a forward without reply bytes")
-                try:
-                    return session.finish(outgoing, reply)
-                except NotOwner as exc:
-                    owner = exc.details.get("owner_host")
-                    if not isinstance(owner, str) or owner == target:
-                        raise
-                    target, last = owner, exc
-            raise last or Unavailable("no attempt was made", attempts=self.attempts)
+                return session.finish(outgoing, reply)
+            except Unavailable as exc:
+                last = exc
+                continue
+            except NotOwner as exc:
+                owner = exc.details.get("owner_host")
+                if not isinstance(owner, str) or owner == target:
+                    raise
+                target, last = owner, exc
+        raise last or Unavailable("no attempt was made", attempts=self.attempts)

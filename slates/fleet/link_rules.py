@@ -9,9 +9,14 @@ those bytes must be, and every choice it makes from records, is here:
   green's key in etcd (`greens/vol-0-3@h1`).  The name never changes when
   ownership moves: etcd's GreenConfig says who owns it now.
 - Messages.  The local socket (RUNTIME/fleet.sock) takes framed msgpack
-  maps `{"op": "forward" | "hosts" | "owner", ...}` (`parse_local`); a
-  forward crosses QUIC as `{"shard", "client", "request"}`
-  (`remote_payload` / `parse_remote`).  Both validate everything: the
+  maps `{"op": "forward" | "hosts" | "owner" | "durable" | "takeover",
+  ...}` (`parse_local`); a forward crosses QUIC as `{"shard", "client",
+  "request"}` plus `names` when the ids it carries are another host's
+  (`remote_payload` / `parse_remote`), a durability wait as `{"kind":
+  "durable", ...}` (`durable_payload` / `parse_remote_durable`), ledger
+  messages as `{"kind": "ledger", ...}` (slates.fleet.link_replicate).
+  `volume_refs` finds the ids a request carries (its `volume` and `green`
+  arguments).  Both validate everything: the
   request is a wire request (seq, ack, op, args: slates.node.protocol's
   rules), the shard a small integer, the client id 1..128 characters.
 - Identity.  A forwarded request runs on the remote shard as client
@@ -19,7 +24,9 @@ those bytes must be, and every choice it makes from records, is here:
   QUIC handshake authenticated, never a field of the message, so one host
   cannot replay another's requests or read its saved replies; the same
   (origin, client) always maps to the same id, so a retry after a lost
-  reply or a new connection gets the saved reply.
+  reply or a new connection gets the saved reply.  On an adopted green's
+  new owner the client is `adopted_client_id(names, client)`: its
+  requests for another host's ids are numbered apart from its others.
 - Placement.  `choose_holders` picks a new green's 2f+1 holder candidates:
   this host first, then enrolled hosts in other failure domains (alive
   ones first, then by host id), at most MAX_HOLDERS, an odd number, so f
@@ -42,10 +49,16 @@ from slates.fleet.config import Candidate, GreenConfig, HolderSet, Peer
 from slates.fleet.etcd import HostRecord
 from slates.fleet.pki import validate_host_id
 from slates.node.protocol import MAX_CLIENT_ID, parse_request
+from slates.sdk.names import VOLUME_ID
 
 __all__ = [
     "DEFAULT_REGION",
+    "Durable",
+    "adopted_client_id",
     "Forward",
+    "MAX_DURABLE_SECONDS",
+    "SCOPES",
+    "Takeover",
     "LocalRequest",
     "MAX_HOLDERS",
     "MAX_SHARDS",
@@ -57,14 +70,20 @@ __all__ = [
     "host_listing",
     "parse_local",
     "parse_remote",
+    "durable_payload",
+    "parse_remote_durable",
     "remote_payload",
     "split_fleet_name",
+    "volume_refs",
 ]
 
 MAX_HOLDERS: Final = 3
 MAX_SHARDS: Final = 1024
 DEFAULT_REGION: Final = "default"  # fleet.json names no region yet: every host is in one
 FORWARDED_PREFIX: Final = "fl."
+SCOPES: Final = ("restart", "host", "region")
+MAX_DURABLE_SECONDS: Final = 120.0
+ID_KEYS: Final = ("volume", "green")  # the request arguments that name volumes by id
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,6 +94,28 @@ class Forward:
     shard: int
     client: str
     request: dict[str, Any]
+    names: str = ""  # the host whose ids the request names ("": `host` itself)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Durable:
+    """`{"op": "durable"}`: wait until `version` of work volume `work`'s green reaches
+    `scope`; `host` is the work volume's host ("": this one)."""
+
+    host: str
+    shard: int
+    work: str
+    version: int
+    scope: str
+    timeout: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Takeover:
+    """`{"op": "takeover", "green": NAME, "epoch": E}`: commit this host as owner at E+1."""
+
+    green: str
+    epoch: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,6 +134,7 @@ class RemoteForward:
     shard: int
     client: str
     request: dict[str, Any]
+    names: str = ""  # the host whose ids the request names ("": the serving host)
 
 
 # -- names -------------------------------------------------------------------------------------
@@ -125,6 +167,18 @@ def forwarded_client_id(origin: str, client: str) -> str:
     return f"{FORWARDED_PREFIX}{origin}.#{digest}"
 
 
+def adopted_client_id(names: str, client: str) -> str:
+    """The client id, on an adopted green's new shard, of a client's requests that name
+    host `names`'s ids (deterministic, so a resend finds its saved reply)."""
+    validate_host_id(names)
+    _check_client(client)
+    readable = f"{names}~{client}"
+    if len(readable) <= MAX_CLIENT_ID and not client.startswith("#"):
+        return readable
+    digest = hashlib.sha256(client.encode("utf-8", "surrogateescape")).hexdigest()[:40]
+    return f"{names}~#{digest}"
+
+
 # -- messages ----------------------------------------------------------------------------------
 
 
@@ -147,7 +201,35 @@ def _check_request(request: object) -> dict[str, Any]:
     return request
 
 
-def parse_local(message: Mapping[str, Any]) -> Forward | LocalRequest:
+def _names(message: Mapping[str, Any], field: str = "names") -> str:
+    names = message.get(field, "")
+    if not isinstance(names, str):
+        raise InvalidArgument("names is a host id", field=field)
+    return validate_host_id(names) if names else ""
+
+
+def _durable(message: Mapping[str, Any]) -> Durable:
+    version, scope, timeout = message.get("version"), message.get("scope"), message.get("timeout")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise InvalidArgument("durable names a version", field="version")
+    if scope not in SCOPES:
+        raise InvalidArgument(f"a durability scope is one of {', '.join(SCOPES)}", scope=scope)
+    if not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_DURABLE_SECONDS:
+        raise InvalidArgument(f"durable waits 0..{MAX_DURABLE_SECONDS} s", field="timeout")
+    work = message.get("work")
+    if not isinstance(work, str) or not work or "@" in work:
+        raise InvalidArgument("durable names a local work volume id", field="work")
+    return Durable(
+        _names(message, "host"),
+        _check_shard(message.get("shard")),
+        work,
+        version,
+        str(scope),
+        float(timeout),
+    )
+
+
+def parse_local(message: Mapping[str, Any]) -> Forward | LocalRequest | Durable | Takeover:
     """A request on the local socket, validated."""
     match message.get("op"):
         case "forward":
@@ -159,6 +241,7 @@ def parse_local(message: Mapping[str, Any]) -> Forward | LocalRequest:
                 _check_shard(message.get("shard")),
                 _check_client(message.get("client")),
                 _check_request(message.get("request")),
+                _names(message),
             )
         case "hosts":
             return LocalRequest("hosts")
@@ -167,13 +250,37 @@ def parse_local(message: Mapping[str, Any]) -> Forward | LocalRequest:
             if not isinstance(green, str) or not green:
                 raise InvalidArgument("owner names a green", field="green")
             return LocalRequest("owner", green)
+        case "durable":
+            return _durable(message)
+        case "takeover":
+            green, epoch = message.get("green"), message.get("epoch")
+            if not isinstance(green, str) or not green:
+                raise InvalidArgument("takeover names a green", field="green")
+            if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:
+                raise InvalidArgument("takeover names the epoch it expects", field="epoch")
+            return Takeover(green, epoch)
         case op:
             raise InvalidArgument("unknown fleet link op", op=repr(op))
 
 
 def remote_payload(forward: Forward) -> dict[str, Any]:
     """What crosses QUIC for a forward (the origin is the connection's authenticated peer)."""
-    return {"shard": forward.shard, "client": forward.client, "request": forward.request}
+    payload = {"shard": forward.shard, "client": forward.client, "request": forward.request}
+    if forward.names and forward.names != forward.host:
+        payload["names"] = forward.names
+    return payload
+
+
+def durable_payload(durable: Durable) -> dict[str, Any]:
+    """What crosses QUIC for a durability wait on the work volume's host."""
+    return {
+        "kind": "durable",
+        "shard": durable.shard,
+        "work": durable.work,
+        "version": durable.version,
+        "scope": durable.scope,
+        "timeout": durable.timeout,
+    }
 
 
 def parse_remote(origin: str, message: Mapping[str, Any]) -> RemoteForward:
@@ -183,7 +290,25 @@ def parse_remote(origin: str, message: Mapping[str, Any]) -> RemoteForward:
         _check_shard(message.get("shard")),
         _check_client(message.get("client")),
         _check_request(message.get("request")),
+        _names(message),
     )
+
+
+def parse_remote_durable(message: Mapping[str, Any]) -> Durable:
+    """A durability wait received over QUIC (for a work volume of this host)."""
+    return _durable({**message, "host": ""})
+
+
+def volume_refs(request: Mapping[str, Any]) -> dict[str, str]:
+    """The arguments of a wire request that name volumes by local id (key -> id)."""
+    args = request.get("args")
+    if not isinstance(args, dict):
+        return {}
+    return {
+        key: value
+        for key in ID_KEYS
+        if isinstance(value := args.get(key), str) and VOLUME_ID.fullmatch(value)
+    }
 
 
 # -- placement ---------------------------------------------------------------------------------

@@ -138,8 +138,8 @@ class AsyncClient:
 
     async def _forward(self, object_id: str, op: str, args: dict[str, Any]) -> Any:
         """A request for another host's volume, through this host's fleet link (which
-        keeps its request identity across resends and follows NotOwner).  AsyncClient
-        only, this session: the link's client is trio's."""
+        keeps its request identity across resends and follows NotOwner); the blocking
+        Client's forwarder waits without an event loop."""
         from slates.fleet.link_client import Forwarder, link_socket
         from slates.fleet.link_rules import fleet_name, split_fleet_name
 
@@ -147,7 +147,9 @@ class AsyncClient:
         if self.token is not None:
             raise NotSupported("an agent's requests do not travel between hosts yet", host=host)
         if self._forwarder is None:
-            self._forwarder = Forwarder(self.client_id, link_socket(self.runtime.path))
+            self._forwarder = Forwarder(
+                self.client_id, link_socket(self.runtime.path), blocking=not _in_trio()
+            )
         suffix = "@" + host  # the other host's shard knows its own ids only
         local_args = {
             key: value[: -len(suffix)]
@@ -156,7 +158,11 @@ class AsyncClient:
             for key, value in args.items()
         }
         result = await self._forwarder.request(host, shard_of(local_id), op, local_args)
-        if isinstance(result, dict) and isinstance(result.get("id"), str):
+        if (
+            isinstance(result, dict)
+            and isinstance(result.get("id"), str)
+            and "@" not in result["id"]
+        ):
             result = {**result, "id": fleet_name(host, result["id"])}  # ids keep their host
         return result
 
@@ -172,8 +178,8 @@ class AsyncClient:
         """The volume id that `ref` names: an id as is, else the one volume (of `role`)
         with that name (slates.sdk.names: NotFound or InvalidArgument naming candidates)."""
         check_reference(ref, role)
-        if is_volume_id(ref):
-            return ref
+        if is_volume_id(ref) or is_volume_id(ref.rpartition("@")[0]):
+            return ref  # an id, or another host's volume by its fleet name (<id>@<host>)
         return pick_volume(ref, await self.list_volumes(), role)
 
     # -- service ----------------------------------------------------------------
@@ -435,7 +441,14 @@ class AsyncClient:
         result: dict[str, Any] = await self._on(green, "work.create", **args)
         return result
 
-    async def submit(self, work: str, *, dry_run: bool = False) -> dict[str, Any]:
+    async def submit(
+        self,
+        work: str,
+        *,
+        dry_run: bool = False,
+        durability: str | None = None,
+        durability_timeout: float = 60.0,
+    ) -> dict[str, Any]:
         """Offer a work volume's changes to its green volume.
 
         Mounts of the work volume write back first (the attachment barrier),
@@ -451,7 +464,16 @@ class AsyncClient:
         dry_run=True reports what would be submitted (`paths`) and makes no
         version; a reply that does not confirm the dry run (a service that
         does not know it) is VerificationFailed.
+
+        `durability` ("restart", "host" or "region"; DESIGN.md section 7): after
+        a version is made, wait (at most `durability_timeout` s) until it reaches
+        that scope; the reply's `durability` says the widest scope reached and
+        `scopes` all of them.  `restart` is reached when the shard replies (it
+        journals first); `host` and `region` need the fleet link of the work
+        volume's host (slates.fleet.link_replicate).  None: no wait, no field.
         """
+        if durability is not None and durability not in ("restart", "host", "region"):
+            raise InvalidArgument("a durability scope is restart, host or region", scope=durability)
         await self._barrier(work)
         args: dict[str, Any] = {"volume": work}
         if dry_run:
@@ -463,7 +485,36 @@ class AsyncClient:
                 volume=work,
                 version=result.get("version"),
             )
+        if durability is not None and not dry_run:
+            result = {**result, **await self._durable(work, result, durability, durability_timeout)}
         return result
+
+    async def _durable(
+        self, work: str, result: dict[str, Any], scope: str, timeout: float
+    ) -> dict[str, Any]:
+        """The durability fields of a submit's reply (submit's doc)."""
+        version = result.get("version")
+        if scope == "restart" or not result.get("made_version") or not isinstance(version, int):
+            return {"durability": "restart", "scopes": ["restart"]}  # journaled before the reply
+        from slates.fleet.link_client import acall_link, call_link, link_socket
+        from slates.fleet.link_rules import split_fleet_name
+
+        host, local = split_fleet_name(work) if "@" in work else ("", work)
+        message = {
+            "op": "durable",
+            "host": host,
+            "shard": shard_of(local),
+            "work": local,
+            "version": version,
+            "scope": scope,
+            "timeout": timeout,
+        }
+        socket_path = link_socket(self.runtime.path)
+        if _in_trio():
+            found = await acall_link(socket_path, message, timeout=timeout + 20)
+        else:  # the blocking Client: no event loop to wait on
+            found = call_link(socket_path, message, timeout=timeout + 20)
+        return {"durability": found["durability"], "scopes": found["scopes"]}
 
     async def rebase(self, work: str) -> dict[str, Any]:
         """Move a work volume onto its green head, keeping its changes; publishes nothing."""
@@ -632,6 +683,16 @@ class AsyncClient:
     async def stat(self, volume: str, path: str) -> dict[str, Any]:
         result: dict[str, Any] = await self._on(volume, "stat", volume=volume, path=path)
         return result
+
+
+def _in_trio() -> bool:
+    import trio  # here: only a fleet wait needs it
+
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _run_to_end(step: Coroutine[Any, Any, _T]) -> _T:
