@@ -2,7 +2,7 @@
 
 A green volume with live work volumes, or with versions no landing has
 written to disk, and a mounted volume are refused by `volume delete`
-unless forced; names are unique among a shard's live volumes.  In-process
+unless forced; names are unique among the host's live volumes.  In-process
 for the rules, a real mount for the mounted case.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from slates import Client
-from slates.errors import InvalidArgument
+from slates.errors import AlreadyExists, InvalidArgument
 from tests.anchor_fixture import Service as Anchor
 from tests.anchor_fixture import service
 from tests.test_merge_service import Service
@@ -124,3 +124,31 @@ def test_a_snapshot_is_deleted_unless_something_needs_it() -> None:
     assert refused["ok"] is False and "green" in refused["error"]["message"], refused
     missing = svc.raw("snapshot.delete", snapshot="snap-0-999")
     assert missing["error"]["code"] == "NotFound"
+
+
+def test_names_are_unique_across_the_shards_of_a_host(service: Anchor) -> None:
+    """Clones and work volumes live on their snapshot's or green's shard, not their
+    name's: the SDK asks the other shards too, so a second `dup` is refused wherever
+    it would go, and nothing is made."""
+    with Client(service.runtime) as client:
+        first = client.create_volume("dup")["id"]
+        here = first.split("-")[1]
+        green = next(  # a green on the other shard
+            g for n in range(64) if (g := client.create_green(f"green{n}")).split("-")[1] != here
+        )
+        other = next(
+            v["id"]
+            for n in range(64)
+            if (v := client.create_volume(f"plain{n}"))["id"].split("-")[1] != here
+        )
+        snapshot = client.snapshot(other)
+        before = {v["id"] for v in client.list_volumes()}
+        with pytest.raises(AlreadyExists, match=first):
+            client.create_work(green, "dup")
+        with pytest.raises(AlreadyExists, match=first):
+            client.clone(snapshot, "dup")
+        with pytest.raises(AlreadyExists, match=first):
+            client.create_green("dup")
+        assert {v["id"] for v in client.list_volumes()} == before
+        client.delete_volume(first)
+        assert client.create_work(green, "dup")["name"] == "dup"  # free once deleted

@@ -39,6 +39,7 @@ from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from slates.errors import (
+    AlreadyExists,
     InvalidArgument,
     NotFound,
     NotSupported,
@@ -305,8 +306,26 @@ class AsyncClient:
         if _size(dynamic, "dynamic") is not None:
             args["dynamic"] = dynamic
         shard = shard_of(from_snapshot) if from_snapshot is not None else self._home(name)
+        await self._check_name_free(name, shard)
         result: dict[str, Any] = await self.call(shard, "volume.create", **args)
         return result
+
+    async def _check_name_free(self, name: str, shard: int) -> None:
+        """Names are unique among the host's live volumes: the shard that makes the volume
+        refuses a name its own volumes have (atomically), and this asks the other
+        shards first, since clones and work volumes live on their snapshot's or
+        green's shard rather than their name's.  (Two clients racing to make one
+        name on two shards at once can both pass; resolution then names both.)"""
+        for index in self._serving_shards():
+            if index == shard:
+                continue
+            taken = [v for v in await self.call(index, "volume.list") if v.get("name") == name]
+            if taken:
+                raise AlreadyExists(
+                    f"volume {taken[0]['id']} has that name already",
+                    name=name,
+                    volume=taken[0]["id"],
+                )
 
     async def list_volumes(self) -> list[dict[str, Any]]:
         """The volumes of every shard that serves (a shard left down has none to list)."""
@@ -416,6 +435,7 @@ class AsyncClient:
         for key, value in (("bounded", bounded), ("dynamic", dynamic)):
             if _size(value, key) is not None:
                 args[key] = value
+        await self._check_name_free(name, self._home(name))
         result = await self.call(self._home(name), "green.create", **args)
         return str(result["id"])
 
@@ -438,6 +458,8 @@ class AsyncClient:
         for key, value in (("bounded", bounded), ("dynamic", dynamic)):
             if _size(value, key) is not None:
                 args[key] = value
+        if "@" not in green:  # another host's green: its host checks the name
+            await self._check_name_free(name, shard_of(green))
         result: dict[str, Any] = await self._on(green, "work.create", **args)
         return result
 
