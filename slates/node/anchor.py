@@ -16,6 +16,7 @@ spinning; the other shards and the anchor keep serving.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import grp
 import itertools
@@ -116,6 +117,8 @@ class _Mount:
     allow_other: bool = False
     principal: Principal = OPERATOR
     token: str | None = None  # an agent's mount: its bridge acts as that agent
+    counters: Path | None = None  # the bridge's --counters file
+    log: Path | None = None  # its stderr
 
 
 @dataclass
@@ -454,13 +457,14 @@ class Anchor:
         if os.listdir(path):
             raise InvalidArgument("the mount directory is not empty", directory=path)
         ready_read, ready_write = os.pipe()
+        counters = self.runtime.path / f"counters-{volume}-{time.time_ns()}"
         command = [
             sys.executable, "-m", "slates.fuse.bridge",
             "--runtime-dir", str(self.runtime.path),
             "--volume", volume,
             "--mountpoint", path,
             "--ready-fd", str(ready_write),
-            "--counters", str(self.runtime.path / f"counters-{volume}-{time.time_ns()}"),
+            "--counters", str(counters),
             *([] if writeback else ["--no-writeback-cache"]),
             *(["--allow-other"] if allow_other else []),
         ]  # fmt: skip
@@ -485,6 +489,7 @@ class Anchor:
                 process.wait()
             message = log_path.read_text(errors="replace")
             log_path.unlink(missing_ok=True)
+            counters.unlink(missing_ok=True)
             self._clean_mountpoint(path)
             raise _bridge_error(message)
         self.mounts[path] = _Mount(
@@ -496,6 +501,8 @@ class Anchor:
             allow_other=allow_other,
             principal=principal,
             token=token,
+            counters=counters,
+            log=log_path,
         )
         self._publish()
         _log(f"mounted {volume} at {path} (bridge pid {process.pid})")
@@ -528,9 +535,31 @@ class Anchor:
         mount.process.terminate()  # the bridge unmounts cleanly on SIGTERM
         self._wait_exit(mount.process, BRIDGE_START_SECONDS)
         self._clean_mountpoint(path)
+        self._retire_files(mount)
         self._publish()
         _log(f"unmounted {path}")
         return {"directory": path, "volume": mount.volume}
+
+    def _retire_files(self, mount: _Mount) -> None:
+        """A gone bridge's files must not pile up in the runtime directory (a day of
+        agents makes thousands of mounts): its counters are added into one
+        `counters-retired` file, so totals over the directory stay what they were,
+        and its log goes unless it says something (a crash's diagnostics stay)."""
+        if mount.counters is not None and mount.counters.exists():
+            retired = self.runtime.path / "counters-retired"
+            mine = array.array("Q")
+            with contextlib.suppress(ValueError):  # a torn file: nothing to add
+                mine.frombytes(mount.counters.read_bytes())
+            if retired.exists():
+                total = array.array("Q", retired.read_bytes())
+                if len(total) == len(mine):
+                    mine = array.array("Q", (a + b for a, b in zip(total, mine, strict=True)))
+            temp = retired.with_name(".counters-retired.tmp")
+            temp.write_bytes(mine.tobytes())
+            temp.replace(retired)
+            mount.counters.unlink()
+        if mount.log is not None and mount.log.exists() and not mount.log.stat().st_size:
+            mount.log.unlink()
 
     def _wait_exit(self, process: subprocess.Popen[bytes], timeout: float) -> None:
         """Wait for a child to exit, supervising the shards meanwhile (it may need one)."""
@@ -554,6 +583,7 @@ class Anchor:
             )
             del self.mounts[path]
             self._clean_mountpoint(path)
+            self._retire_files(mount)
             self._publish()
             if mount.process.returncode == 0 or self.stopping:
                 continue  # it unmounted itself (fusermount -u): not a failure
