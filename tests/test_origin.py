@@ -236,8 +236,13 @@ def test_a_clone_records_its_changes_relative_to_the_snapshot(
         expected = apply(expected, [replace])
     assert current == expected
     edits = origin_edits(clone, ino, len(original))
-    assert apply(original, edits) == current
-    assert edits == compose(len(original), replaces)
+    assert apply(original, edits) == current  # so every changed byte is recorded
+    # ...and nothing the operations did not touch: a write that lands on private
+    # pages leaves out the bytes it rewrites unchanged (Volume.write), so the record
+    # may be smaller than the operations' ranges, never larger.
+    touched = compose(len(original), replaces)
+    for edit in edits:
+        assert any(t.start <= edit.start and edit.end <= t.end for t in touched), (edit, touched)
     # The snapshot's file is untouched by the clone's recording.
     reader = Volume.clone(snapshot, host)
     assert reader.read(ino, 0, len(original) + 1) == original
