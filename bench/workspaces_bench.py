@@ -273,7 +273,9 @@ def make_tree(
     if not (root / ".git").exists():
         run(["git", "init", "-q", "-b", "main"], root, env)
     run(["git", "add", "-A"], root, env)
-    run(["git", "commit", "-q", "--no-verify", "-m", "benchmark tree"], root, env)
+    # No automatic gc after a large commit: it would race the explicit one below.
+    commit = ["git", "-c", "gc.auto=0", "commit", "-q", "--no-verify", "-m", "benchmark tree"]
+    run(commit, root, env)
     run(["git", "gc", "-q"], root, env)
     tracked = run(["git", "ls-files", "-z"], root, env).split("\0")
     # Regular files only (a --tree may track symlinks or submodules).

@@ -38,6 +38,7 @@
 #define BRIDGE_STAT_FAILED 66      /* requests given up with EIO (shard unreachable) */
 #define BRIDGE_STAT_CLEAN_READS 67 /* READs served from the base, without the shard */
 #define BRIDGE_STAT_CLEAN_MISSES 68 /* clean-file entries that failed their check */
+#define BRIDGE_STAT_META_ANSWERS 69 /* LOOKUP/GETATTR/READLINK/ACCESS answered from the base */
 #define BRIDGE_COUNTERS 72
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
 
@@ -118,6 +119,11 @@ int bridge_test_absent_since(uint64_t ino, int invalidate_between);
  * invalidation of another inode when `invalidate_between`; then whether
  * it is known (1/0), or -errno. */
 int bridge_test_clean_since(uint64_t ino, int invalidate_between);
+/* Tests: apply adds (key) and removes (~key) to a scratch node map
+ * (bridge_meta.c), then whether it holds `probe` (or -ENOMEM). */
+int bridge_test_meta_map(const uint64_t *ops, uint32_t n, uint64_t probe);
+/* Tests: the readdir cookie the bridge gives a name it lists from the base. */
+uint64_t bridge_test_cookie(const char *name, size_t len);
 
 /* Implemented in Python (cffi extern "Python+C"): say hello again and call
  * bridge_attach.  Returns 0 or -errno. */

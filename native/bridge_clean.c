@@ -37,9 +37,14 @@
  * request and records the reply's entry only if no invalidation ran
  * meanwhile (as bridge_cache.c does).
  *
+ * Files bridge_meta.c answered from the base itself (never bound in the
+ * shard) and nobody changed since are clean too: a READ that finds no entry
+ * here asks bridge_meta.c for the path and the stat it answered with, and
+ * makes the same checks.
+ *
  * Bounded: a direct-mapped table of CLEAN_SLOTS entries keyed by inode
  * number; a colliding inode evicts the one there (its READs then go to the
- * shard).  Paths are at most PATH_MAX bytes.  Counted: BRIDGE_STAT_CLEAN_READS
+ * shard, unless bridge_meta.c knows it).  Paths are at most PATH_MAX bytes.  Counted: BRIDGE_STAT_CLEAN_READS
  * (READs answered here) and BRIDGE_STAT_CLEAN_MISSES (entries that failed
  * their check, so the shard answered).
  */
@@ -87,6 +92,17 @@ static void clean_drop_locked(uint64_t ino)
         free(e->path);
         memset(e, 0, sizeof *e);
     }
+}
+
+static void clean_put(uint64_t ino, const char *path, uint32_t len, const uint64_t fp[3],
+                      int64_t mtime_ns, uint64_t epoch);
+
+int clean_base_fd(void) { return g_clean.disabled ? -1 : g_clean.base_fd; }
+
+void clean_learn(uint64_t ino, const char *path, const struct stat *st, uint64_t epoch)
+{
+    const uint64_t fp[3] = {(uint64_t)st->st_dev, (uint64_t)st->st_ino, (uint64_t)st->st_size};
+    clean_put(ino, path, (uint32_t)strlen(path), fp, ts_ns(&st->st_mtim), epoch);
 }
 
 int bridge_set_base(int dir_fd)
@@ -228,14 +244,25 @@ long clean_read(uint64_t ino, uint64_t off, size_t size, const char **out)
     pthread_mutex_lock(&g_clean_lock);
     const struct clean_entry *e =
         g_clean.slots != NULL ? &g_clean.slots[clean_slot(ino)] : NULL;
-    if (e == NULL || e->ino != ino || ino == 0 || g_clean.base_fd < 0) {
-        pthread_mutex_unlock(&g_clean_lock);
-        return -1;
-    }
-    want = *e;
-    strcpy(path, e->path); /* shorter than PATH_MAX (clean_put) */
     int dir_fd = g_clean.base_fd; /* changes only before the mount (bridge_set_base) */
-    pthread_mutex_unlock(&g_clean_lock);
+    if (e == NULL || e->ino != ino || ino == 0 || dir_fd < 0) {
+        pthread_mutex_unlock(&g_clean_lock);
+        struct stat seen;
+        /* Not in the table (never taught, or evicted by a colliding inode): a
+         * file bridge_meta.c answered and nobody changed is as clean. */
+        if (dir_fd < 0 || ino == 0 || !meta_base_file(ino, path, sizeof path, &seen))
+            return -1;
+        memset(&want, 0, sizeof want);
+        want.ino = ino;
+        want.dev = (uint64_t)seen.st_dev;
+        want.st_ino = (uint64_t)seen.st_ino;
+        want.size = (uint64_t)seen.st_size;
+        want.mtime_ns = ts_ns(&seen.st_mtim);
+    } else {
+        want = *e;
+        strcpy(path, e->path); /* shorter than PATH_MAX (clean_put) */
+        pthread_mutex_unlock(&g_clean_lock);
+    }
     if (g_clean.buf == NULL)
         g_clean.buf = malloc(BRIDGE_MAX_IO);
     int fd = g_clean.buf != NULL ? open_beneath(dir_fd, path) : -1;

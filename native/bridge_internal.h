@@ -12,6 +12,12 @@
  *                     xattr names known to be absent, per inode.
  *   bridge_clean.c    READs of files whose content is wholly their base
  *                     file's, served from the base directory.
+ *   bridge_meta.c     LOOKUP, GETATTR, READLINK, ACCESS and LSEEK of
+ *                     untouched base entries answered from the base
+ *                     directory; the kernel references of those entries;
+ *                     binding them in the shard on demand; taints.
+ *   bridge_meta_dir.c READDIRPLUS of clean directories from the base.
+ *   bridge_map.c      the open-addressing map bridge_meta.c keeps nodes in.
  *   bridge_ops.c      the libfuse3 low-level callbacks, INIT's wishes
  *                     included: one kernel request in, at most one fs.*
  *                     round trip (a few for large reads and writes), one
@@ -133,6 +139,9 @@ BRIDGE_INTERNAL void enc_copy_file_range(uint64_t ino_in, uint64_t off_in, uint6
                                          uint64_t off_out, uint64_t length);
 BRIDGE_INTERNAL void enc_access(uint64_t ino, int mask);
 BRIDGE_INTERNAL void enc_destroy(void);
+/* fs.lookup binding a node the bridge answered itself (bridge_meta.c). */
+BRIDGE_INTERNAL void enc_bind(uint64_t parent, const char *name, uint64_t node,
+                              const struct stat *seen, uint64_t refs);
 
 /* Reading decoded replies. */
 BRIDGE_INTERNAL const msgpack_object *mp_get(const msgpack_object *map, const char *key);
@@ -190,6 +199,80 @@ BRIDGE_INTERNAL void clean_invalidate(uint64_t ino);
 /* Serve a READ from the base: the byte count with *out pointing at them
  * (valid until the next call), or -1 when the shard must answer. */
 BRIDGE_INTERNAL long clean_read(uint64_t ino, uint64_t off, size_t size, const char **out);
+
+/* The base directory fd (bridge_set_base), or -1. */
+BRIDGE_INTERNAL int clean_base_fd(void);
+/* Record `ino` as a clean base file at `path` with the fingerprint in `st`,
+ * unless an invalidation ran since `epoch`. */
+BRIDGE_INTERNAL void clean_learn(uint64_t ino, const char *path, const struct stat *st,
+                                 uint64_t epoch);
+
+/* -- bridge_map.c ------------------------------------------------------------- */
+
+/* An open-addressing map from a key (never 0) to a pointer; zeroed = empty. */
+struct u64map {
+    uint64_t *keys;
+    void **values;
+    size_t cap, len;
+};
+BRIDGE_INTERNAL void *map_get(const struct u64map *m, uint64_t key);
+/* 0, or -ENOMEM (the map is unchanged). */
+BRIDGE_INTERNAL int map_put(struct u64map *m, uint64_t key, void *value);
+BRIDGE_INTERNAL void map_del(struct u64map *m, uint64_t key);
+
+/* -- bridge_meta.c ------------------------------------------------------------ */
+
+/* Invalidation epoch of the clean metadata: read it before asking the shard. */
+BRIDGE_INTERNAL uint64_t meta_epoch(void);
+/* The shard answers for this node from now on (a change to it; for a
+ * directory, to its names).  Either thread. */
+BRIDGE_INTERNAL void meta_taint(uint64_t node);
+/* Answer from the base when the request is about an untouched base entry:
+ * 1 when replied, 0 when the shard must answer. */
+BRIDGE_INTERNAL int meta_lookup(fuse_req_t req, uint64_t parent, const char *name);
+BRIDGE_INTERNAL int meta_getattr(fuse_req_t req, uint64_t ino);
+BRIDGE_INTERNAL int meta_readlink(fuse_req_t req, uint64_t ino);
+BRIDGE_INTERNAL int meta_access(fuse_req_t req, uint64_t ino);
+BRIDGE_INTERNAL int meta_lseek(fuse_req_t req, uint64_t ino, uint64_t off, int whence);
+/* A regular file answered from the base and unchanged since: 1 with its
+ * base-relative path and the stat it was answered with (bridge_clean.c reads
+ * it as a clean file), else 0. */
+BRIDGE_INTERNAL int meta_base_file(uint64_t ino, char *path, size_t cap, struct stat *seen);
+/* The kernel forgot `nlookup` references: how many of them the shard holds. */
+BRIDGE_INTERNAL uint64_t meta_forget(uint64_t ino, uint64_t nlookup);
+/* Learn from a shard's ATTR of `node` (`entry`: it came as an ENTRY, one
+ * more kernel reference), unless a taint ran since `epoch`. */
+BRIDGE_INTERNAL void meta_note_attr(uint64_t node, const msgpack_object *attr, uint64_t epoch,
+                                    int entry);
+/* Before a request naming `node` (or (parent, name)) goes to the shard:
+ * bind it there if only the bridge knows it.  0 or a positive errno. */
+BRIDGE_INTERNAL int meta_prepare(uint64_t node);
+/* Whether READDIRPLUS of `dir` may be answered from the base (a clean
+ * directory); *epoch gets the epoch to check the answers against. */
+BRIDGE_INTERNAL int meta_listable(uint64_t dir, uint64_t *epoch);
+/* One listed name of a clean directory, answered from the base as a lookup
+ * would be (one kernel reference counted here): 1 with *e filled, 0 when
+ * the shard must answer, -1 when the name is gone from the base. */
+BRIDGE_INTERNAL int meta_dirent(uint64_t dir, const char *name, uint64_t epoch,
+                                struct fuse_entry_param *e);
+/* Take the lock if no taint ran since `epoch` (1), else 0; meta_unlock after
+ * replying, so the reply reaches the kernel before any later invalidation. */
+BRIDGE_INTERNAL int meta_lock_if(uint64_t epoch);
+BRIDGE_INTERNAL void meta_unlock(void);
+/* fstat of the entry at a base-relative path, beneath the base: 0 or -errno. */
+BRIDGE_INTERNAL int meta_stat_beneath(const char *path, struct stat *st);
+/* The base path of a directory node (malloc'ed) and its parent node, or NULL. */
+BRIDGE_INTERNAL char *meta_dir_path(uint64_t dir, uint64_t *parent);
+/* The base path of `name` in a directory node (malloc'ed), or NULL. */
+BRIDGE_INTERNAL char *meta_child_path(uint64_t dir, const char *name);
+
+/* -- bridge_meta_dir.c -------------------------------------------------------- */
+
+/* READDIRPLUS of a clean directory answered wholly from the base (names,
+ * cookies as fsops.py's, attributes): 1 when replied, 0 for the shard. */
+BRIDGE_INTERNAL int meta_readdirplus(fuse_req_t req, uint64_t dir, size_t size, uint64_t off);
+BRIDGE_INTERNAL uint64_t meta_cookie(const char *name, size_t len);
+BRIDGE_INTERNAL int meta_prepare_child(uint64_t parent, const char *name);
 
 /* -- bridge_ops.c ------------------------------------------------------------- */
 

@@ -15,9 +15,18 @@
  * table, and every request that may change an inode's content drops the
  * inode from it before it is forwarded.
  *
- * Lookup references: every ENTRY the kernel receives is one reference the
- * shard counted; a readdirplus entry that does not fit the kernel's buffer
- * is given back at once with a forget, so the counts always agree.
+ * LOOKUP, GETATTR, READLINK, ACCESS, LSEEK and READDIRPLUS of untouched
+ * base entries in directories the shard marked clean are answered from the
+ * base (bridge_meta.c) before anything is sent; every other request first
+ * has the nodes it names bound in the shard (PREPARE: only the bridge knew
+ * them), and a mutation taints what it changes before it is forwarded.
+ *
+ * Lookup references: every ENTRY the kernel receives from the shard is one
+ * reference the shard counted, and every one the bridge answered itself is
+ * counted in bridge_meta.c (handed to the shard when the node is bound);
+ * a FORGET goes to the shard only for the shard's part.  A readdirplus
+ * entry that does not fit the kernel's buffer is given back at once with a
+ * forget, so the counts always agree.
  */
 #include "bridge_internal.h"
 
@@ -28,17 +37,36 @@
 #include <string.h>
 #include <sys/statvfs.h>
 
-/* The epochs of the bridge's two memories (bridge_cache.c, bridge_clean.c),
- * read before a request is sent. */
+/* The epochs of the bridge's memories (bridge_cache.c, bridge_clean.c,
+ * bridge_meta.c), read before a request is sent. */
 struct epochs {
-    uint64_t absent, clean;
+    uint64_t absent, clean, meta;
 };
 
 static struct epochs epochs_now(void)
 {
-    struct epochs ep = {absent_epoch(), clean_epoch()};
+    struct epochs ep = {absent_epoch(), clean_epoch(), meta_epoch()};
     return ep;
 }
+
+/* Before a request naming `node` is encoded: the shard must know the node
+ * (bridge_meta.c binds one only the bridge answered). */
+#define PREPARE(req, node)                                                                 \
+    do {                                                                                   \
+        int prepare_rc_ = meta_prepare(node);                                              \
+        if (prepare_rc_ != 0) {                                                            \
+            fuse_reply_err(req, prepare_rc_);                                              \
+            return;                                                                        \
+        }                                                                                  \
+    } while (0)
+#define PREPARE_CHILD(req, parent, name)                                                   \
+    do {                                                                                   \
+        int prepare_rc_ = meta_prepare_child(parent, name);                                \
+        if (prepare_rc_ != 0) {                                                            \
+            fuse_reply_err(req, prepare_rc_);                                              \
+            return;                                                                        \
+        }                                                                                  \
+    } while (0)
 
 /* Answer an ENTRY reply.  `fresh`: the request made this inode (it has no
  * xattrs yet); `ep`: epochs_now() from before the request was sent. */
@@ -54,6 +82,7 @@ static void reply_entry_from(fuse_req_t req, const msgpack_object *res, int crea
     if (fresh || attr_has_no_xattrs(res))
         absent_mark_inode(e.ino, ep.absent);
     clean_note_attr(e.ino, res, ep.clean);
+    meta_note_attr(e.ino, res, ep.meta, 1);
     e.attr_timeout = g_bridge.cache_timeout;
     e.entry_timeout = g_bridge.cache_timeout;
     if (create) {
@@ -141,6 +170,9 @@ static void op_destroy(void *userdata)
 static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
     const msgpack_object *res;
+    if (meta_lookup(req, parent, name))
+        return;
+    PREPARE(req, parent);
     struct epochs ep = epochs_now();
     enc_lookup(parent, name);
     int rc = link_call(&res);
@@ -160,13 +192,28 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
     reply_entry_from(req, res, 0, NULL, 0, ep);
 }
 
-static void send_forgets(const struct fuse_forget_data *items, size_t n)
+/* Tell the shard of forgotten references.  `kernel`: the kernel forgot them
+ * (references only the bridge counted stay here, bridge_meta.c); else the
+ * bridge gives back references the shard counted but the kernel never got. */
+static void send_forgets(const struct fuse_forget_data *given, size_t n, int kernel)
 {
     const msgpack_object *res;
+    struct fuse_forget_data *items = malloc((n ? n : 1) * sizeof *items);
+    if (items == NULL)
+        return; /* the shard keeps the inodes a little longer */
+    size_t kept = 0;
     for (size_t i = 0; i < n; i++) {
-        absent_forget_inode(items[i].ino);
-        clean_drop(items[i].ino);
+        absent_forget_inode(given[i].ino);
+        clean_drop(given[i].ino);
+        uint64_t count = kernel ? meta_forget(given[i].ino, given[i].nlookup) : given[i].nlookup;
+        if (count > 0) {
+            items[kept].ino = given[i].ino;
+            items[kept].nlookup = count;
+            kept++;
+        }
     }
+    struct fuse_forget_data *all = items;
+    n = kept;
     /* Keep each message well inside the ring: ~20 bytes an item. */
     while (n > 0) {
         size_t batch = n > 4096 ? 4096 : n;
@@ -175,18 +222,19 @@ static void send_forgets(const struct fuse_forget_data *items, size_t n)
         items += batch;
         n -= batch;
     }
+    free(all);
 }
 
 static void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
 {
     struct fuse_forget_data item = {.ino = ino, .nlookup = nlookup};
-    send_forgets(&item, 1);
+    send_forgets(&item, 1, 1);
     fuse_reply_none(req);
 }
 
 static void op_forget_multi(fuse_req_t req, size_t count_, struct fuse_forget_data *forgets)
 {
-    send_forgets(forgets, count_);
+    send_forgets(forgets, count_, 1);
     fuse_reply_none(req);
 }
 
@@ -202,8 +250,10 @@ static void reply_attr(fuse_req_t req)
         rc = attr_from_node(res, &st, &node);
     if (rc == 0 && attr_has_no_xattrs(res))
         absent_mark_inode(node, ep.absent);
-    if (rc == 0)
+    if (rc == 0) {
         clean_note_attr(node, res, ep.clean);
+        meta_note_attr(node, res, ep.meta, 0);
+    }
     if (rc != 0)
         fuse_reply_err(req, rc);
     else
@@ -213,6 +263,9 @@ static void reply_attr(fuse_req_t req)
 static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     (void)fi;
+    if (meta_getattr(req, ino))
+        return;
+    PREPARE(req, ino);
     enc_ino("fs.getattr", ino);
     reply_attr(req);
 }
@@ -221,6 +274,8 @@ static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to
                        struct fuse_file_info *fi)
 {
     (void)fi;
+    PREPARE(req, ino);
+    meta_taint(ino);
     clean_drop(ino); /* a truncation changes the content; the reply teaches again */
     enc_setattr(ino, attr, to_set);
     reply_attr(req);
@@ -231,6 +286,9 @@ static void op_readlink(fuse_req_t req, fuse_ino_t ino)
     const msgpack_object *res;
     const char *p = NULL;
     uint32_t n = 0;
+    if (meta_readlink(req, ino))
+        return;
+    PREPARE(req, ino);
     enc_ino("fs.readlink", ino);
     int rc = link_call(&res);
     if (rc == 0 && !mp_bytes(res, &p, &n))
@@ -254,6 +312,8 @@ static void op_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t
                      dev_t rdev)
 {
     const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    PREPARE(req, parent);
+    meta_taint(parent);
     enc_mknod(parent, name, mode, rdev, ctx->uid, ctx->gid);
     answer_entry(req, 1);
 }
@@ -261,18 +321,26 @@ static void op_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t
 static void op_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode)
 {
     const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    PREPARE(req, parent);
+    meta_taint(parent);
     enc_mkdir(parent, name, mode, ctx->uid, ctx->gid);
     answer_entry(req, 1);
 }
 
 static void op_unlink(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
+    PREPARE(req, parent);
+    PREPARE_CHILD(req, parent, name);
+    meta_taint(parent);
     enc_entry_name("fs.unlink", parent, name);
     answer_empty(req);
 }
 
 static void op_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
+    PREPARE(req, parent);
+    PREPARE_CHILD(req, parent, name);
+    meta_taint(parent);
     enc_entry_name("fs.rmdir", parent, name);
     answer_empty(req);
 }
@@ -280,6 +348,8 @@ static void op_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name)
 static void op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, const char *name)
 {
     const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    PREPARE(req, parent);
+    meta_taint(parent);
     enc_symlink(parent, name, link, ctx->uid, ctx->gid);
     answer_entry(req, 1);
 }
@@ -287,12 +357,22 @@ static void op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, cons
 static void op_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino_t newparent,
                       const char *newname, unsigned int flags)
 {
+    PREPARE(req, parent);
+    PREPARE(req, newparent);
+    PREPARE_CHILD(req, parent, name);
+    PREPARE_CHILD(req, newparent, newname);
+    meta_taint(parent);
+    meta_taint(newparent);
     enc_rename(parent, name, newparent, newname, flags);
     answer_empty(req);
 }
 
 static void op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char *newname)
 {
+    PREPARE(req, ino);
+    PREPARE(req, newparent);
+    meta_taint(ino);
+    meta_taint(newparent);
     enc_link(ino, newparent, newname); /* an existing inode: not fresh */
     answer_entry(req, 0);
 }
@@ -303,6 +383,9 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
     const struct fuse_ctx *ctx = fuse_req_ctx(req);
     const msgpack_object *res;
     int exclusive = (fi->flags & O_EXCL) != 0;
+    PREPARE(req, parent);
+    PREPARE_CHILD(req, parent, name); /* without O_EXCL it may answer with that file */
+    meta_taint(parent);
     struct epochs ep = epochs_now();
     enc_create(parent, name, mode, ctx->uid, ctx->gid, exclusive);
     int rc = link_call(&res);
@@ -368,6 +451,7 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         fuse_reply_buf(req, clean, (size_t)served);
         return;
     }
+    PREPARE(req, ino);
     uint32_t chunk = io_chunk();
     if (size <= chunk) {
         const char *p = NULL;
@@ -407,6 +491,8 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
                      struct fuse_file_info *fi)
 {
     (void)fi;
+    PREPARE(req, ino);
+    meta_taint(ino);
     clean_drop(ino); /* before the shard sees the write */
     uint32_t chunk = io_chunk();
     size_t done = 0;
@@ -436,6 +522,7 @@ static void op_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_f
 {
     (void)datasync;
     (void)fi;
+    PREPARE(req, ino);
     enc_ino("fs.fsync", ino);
     answer_empty(req);
 }
@@ -450,6 +537,9 @@ static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
 static void do_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, int plus)
 {
     const msgpack_object *res;
+    if (plus && meta_readdirplus(req, ino, size, (uint64_t)off))
+        return;
+    PREPARE(req, ino);
     struct epochs ep = epochs_now();
     enc_readdir(ino, (uint64_t)off, plus, size);
     int rc = link_call(&res);
@@ -499,6 +589,7 @@ static void do_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, i
                     absent_mark_inode(e.ino, ep.absent);
                 clean_note_attr(e.ino, attr, ep.clean);
             } else {
+                has_attr = 0;
                 e.attr.st_ino = (ino_t)ino_;
                 e.attr.st_mode = (mode_t)kind;
             }
@@ -514,6 +605,8 @@ static void do_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, i
                 }
                 continue;
             }
+            if (has_attr && e.ino != 0)
+                meta_note_attr(e.ino, attr, ep.meta, 1); /* the kernel gets this entry */
         } else {
             struct stat st;
             memset(&st, 0, sizeof st);
@@ -530,7 +623,7 @@ static void do_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, i
     else
         fuse_reply_buf(req, buf, used);
     if (nunsent > 0)
-        send_forgets(unsent, nunsent);
+        send_forgets(unsent, nunsent, 0);
     free(buf);
     free(unsent);
     free(name);
@@ -590,6 +683,8 @@ static void op_statfs(fuse_req_t req, fuse_ino_t ino)
 static void op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const char *value,
                         size_t size, int flags)
 {
+    PREPARE(req, ino);
+    meta_taint(ino);
     absent_remove(absent_key(ino, name));
     enc_setxattr(ino, name, value, size, flags);
     answer_empty(req);
@@ -605,6 +700,7 @@ static void op_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t
         fuse_reply_err(req, ENODATA);
         return;
     }
+    PREPARE(req, ino);
     uint64_t epoch = absent_epoch();
     enc_ino_name("fs.getxattr", ino, name);
     int rc = link_call(&res);
@@ -625,6 +721,7 @@ static void op_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t
 static void op_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size)
 {
     const msgpack_object *res;
+    PREPARE(req, ino);
     enc_ino("fs.listxattr", ino);
     int rc = link_call(&res);
     if (rc == 0 && (res == NULL || res->type != MSGPACK_OBJECT_ARRAY))
@@ -671,6 +768,8 @@ static void op_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size)
 
 static void op_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name)
 {
+    PREPARE(req, ino);
+    meta_taint(ino);
     absent_remove(absent_key(ino, name));
     enc_ino_name("fs.removexattr", ino, name);
     answer_empty(req);
@@ -678,6 +777,9 @@ static void op_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name)
 
 static void op_access(fuse_req_t req, fuse_ino_t ino, int mask)
 {
+    if (meta_access(req, ino))
+        return;
+    PREPARE(req, ino);
     enc_access(ino, mask);
     answer_empty(req);
 }
@@ -686,6 +788,8 @@ static void op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset,
                          struct fuse_file_info *fi)
 {
     (void)fi;
+    PREPARE(req, ino);
+    meta_taint(ino);
     clean_drop(ino);
     enc_fallocate(ino, mode, (uint64_t)offset, (uint64_t)length);
     answer_empty(req);
@@ -705,6 +809,9 @@ static void op_lseek(fuse_req_t req, fuse_ino_t ino, off_t off, int whence,
     }
     const msgpack_object *res;
     int64_t at;
+    if (off >= 0 && meta_lseek(req, ino, (uint64_t)off, whence))
+        return;
+    PREPARE(req, ino);
     enc_lseek(ino, (uint64_t)off, whence);
     int rc = link_call(&res);
     if (rc == 0 && (!result_count(res, "offset", &at) || at < 0))
@@ -727,6 +834,9 @@ static void op_copy_file_range(fuse_req_t req, fuse_ino_t ino_in, off_t off_in,
     }
     const msgpack_object *res;
     int64_t copied;
+    PREPARE(req, ino_in);
+    PREPARE(req, ino_out);
+    meta_taint(ino_out);
     clean_drop(ino_out);
     enc_copy_file_range(ino_in, (uint64_t)off_in, ino_out, (uint64_t)off_out, len);
     int rc = link_call(&res);

@@ -358,6 +358,23 @@ void enc_statfs(void) { req_begin("fs.statfs", 0); }
 
 void enc_destroy(void) { req_begin("fs.destroy", 0); }
 
+void enc_bind(uint64_t parent, const char *name, uint64_t node, const struct stat *seen,
+              uint64_t refs)
+{
+    req_begin("fs.lookup", 6);
+    kv_u64("parent", parent);
+    kv_name("name", name);
+    kv_u64("node", node);
+    pack_cstr("fp");
+    msgpack_pack_array(&g_bridge.pk, 4);
+    msgpack_pack_uint64(&g_bridge.pk, (uint64_t)seen->st_dev);
+    msgpack_pack_uint64(&g_bridge.pk, (uint64_t)seen->st_ino);
+    msgpack_pack_uint64(&g_bridge.pk, (uint64_t)seen->st_size);
+    msgpack_pack_int64(&g_bridge.pk, ts_ns(&seen->st_mtim));
+    kv_u64("mode", (uint64_t)(seen->st_mode & S_IFMT));
+    kv_u64("refs", refs);
+}
+
 void enc_readdir(uint64_t ino, uint64_t offset, int plus, uint64_t limit)
 {
     req_begin("fs.readdir", 4);

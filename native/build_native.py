@@ -61,6 +61,9 @@ SOURCES = (
     "bridge_link.c",
     "bridge_cache.c",
     "bridge_clean.c",
+    "bridge_map.c",
+    "bridge_meta.c",
+    "bridge_meta_dir.c",
     "bridge_ops.c",
     "bridge_session.c",
 )
@@ -98,6 +101,7 @@ ffibuilder.cdef(
     #define BRIDGE_STAT_FAILED ...
     #define BRIDGE_STAT_CLEAN_READS ...
     #define BRIDGE_STAT_CLEAN_MISSES ...
+    #define BRIDGE_STAT_META_ANSWERS ...
     #define BRIDGE_RECONNECT_SECONDS ...
     #define BRIDGE_MAX_IO ...
 
@@ -126,6 +130,8 @@ ffibuilder.cdef(
     int bridge_test_absent_set(const uint64_t *ops, uint32_t n, uint64_t probe);
     int bridge_test_absent_since(uint64_t ino, int invalidate_between);
     int bridge_test_clean_since(uint64_t ino, int invalidate_between);
+    int bridge_test_meta_map(const uint64_t *ops, uint32_t n, uint64_t probe);
+    uint64_t bridge_test_cookie(const char *name, size_t len);
 
     extern "Python+C" int bridge_reconnect_cb(void);
     """

@@ -28,6 +28,8 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from slates._native import ffi, lib
 
 from slates import errors
@@ -36,7 +38,7 @@ from slates.core.host import Host
 from slates.core.volume import PRIVATE_ST_INO, Volume
 from slates.errors import AlreadyExists, InvalidArgument, NotFound, SlatesError
 from slates.fuse.bridge import read_counters
-from slates.node.fsops import MODE_BITS, attr_map
+from slates.node.fsops import MODE_BITS, attr_map, cookie_of
 from slates.node.protocol import (
     FrameReader,
     error_reply,
@@ -247,6 +249,36 @@ def test_absent_xattr_set() -> None:
     for k in keys[:600]:
         assert run([], k) == (k not in removed)
     assert run([keys[0]], keys[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.booleans(), st.integers(1, 300)), max_size=400),
+    probe=st.integers(1, 300),
+)
+def test_the_node_map_holds_what_a_set_holds(ops: list[tuple[bool, int]], probe: int) -> None:
+    # bridge_meta.c's map (adds and backward-shift removals) against a set.
+    model: set[int] = set()
+    encoded = []
+    for add, key in ops:
+        key = key * 0x10001  # spread over the table's homes
+        if add:
+            model.add(key)
+        else:
+            model.discard(key)
+        encoded.append(key if add else ~key & (2**64 - 1))
+    items = ffi.new("uint64_t[]", encoded or [0])
+    assert lib.bridge_test_meta_map(items, len(encoded), probe * 0x10001) == (
+        probe * 0x10001 in model
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.binary(min_size=1, max_size=255).filter(lambda b: b"/" not in b and 0 not in b))
+def test_the_bridge_and_the_shard_agree_on_readdir_cookies(name: bytes) -> None:
+    # A listing the bridge answers from the base may be continued by the shard.
+    text = name.decode("utf-8", "surrogateescape")
+    assert lib.bridge_test_cookie(name, len(name)) == cookie_of(text)
 
 
 def test_absence_learned_across_an_invalidation_is_not_recorded() -> None:

@@ -114,6 +114,6 @@ def check_invariants(volume: Volume) -> None:
         raise AssertionError(f"referenced {root.referenced_bytes} != recomputed {referenced}")
     if unique != volume.unique_bytes:
         raise AssertionError(f"unique {volume.unique_bytes} != recomputed {unique}")
-    own = sum(_metadata(inode) for ino, inode in root.inodes.items() if ino >= volume._own_mark)
+    own = sum(_metadata(inode) for ino, inode in root.inodes.items() if volume._is_own(ino))
     if own != volume.metadata_bytes:
         raise AssertionError("metadata charge does not match the inodes created")

@@ -20,7 +20,9 @@ base directory keeps its original base path: that is the redirect, and
 nothing under it is copied.  A base name gets an inode the first time it is
 looked up (the `BindBase` record carries the base entry as observed), so
 its inode number is stable from then on and its fingerprint is pinned;
-merely looking at a file copies none of its content.
+merely looking at a file copies none of its content.  That number is
+BASE_INO_START + the base inode number when it is free (`base_ino`), so a
+mount bridge can name a base entry the volume has not bound yet.
 
 Records assume the names they touch are settled: a name the base directory
 holds has been bound first, and a directory being removed has no visible
@@ -123,6 +125,9 @@ from slates.errors import (
 __all__ = [
     "ROOT_INO",
     "PRIVATE_ST_INO",
+    "BASE_INO_START",
+    "BASE_INO_SPAN",
+    "base_ino",
     "CHUNK_SIZE",
     "INODE_COST",
     "MAX_FILE_SIZE",
@@ -150,6 +155,19 @@ ROOT_INO = 1
 # tagged above any base file system's numbers, so the two never collide.
 PRIVATE_ST_INO = 1 << 56
 NO_INO_LIMIT = 1 << 52  # volume inode numbers stay below this (st_ino tags lie above)
+# A base entry is bound at BASE_INO_START + its base inode number when that number is
+# free, so a mount bridge that answers a base entry itself, without asking, names it as
+# the volume will when it binds it (native/bridge_meta.c).  The counter and the work
+# volumes' ranges (ledger.WORK_INO_SHIFT) never reach this far in practice.
+BASE_INO_SPAN = 1 << 40
+BASE_INO_START = NO_INO_LIMIT - BASE_INO_SPAN
+
+
+def base_ino(st_ino: int) -> int:
+    """The number a base entry with this base inode number is bound at if free (0: none)."""
+    return BASE_INO_START + st_ino if 0 < st_ino < BASE_INO_SPAN else 0
+
+
 CHUNK_SIZE = 64 * 1024
 INODE_COST = 512  # metadata bytes charged per inode a volume creates
 MAX_NAME_BYTES = 255
@@ -635,7 +653,9 @@ class Volume:
         return self.root.next_ino, self._own_limit
 
     def _is_own(self, ino: int) -> bool:
-        return self._own_mark <= ino < self._own_limit or ino in self._own_numbers
+        # A base entry's number (base_ino) is own only if bound since the last snapshot.
+        in_range = self._own_mark <= ino < min(self._own_limit, BASE_INO_START)
+        return in_range or ino in self._own_numbers
 
     def adopt_handles(self, previous: Volume, later: Collection[int] = ()) -> None:
         """Carry the open handles and kernel references of the volume this one replaces.
@@ -991,8 +1011,9 @@ class Volume:
                     body = SymlinkBody(e.target)
                 case _:
                     body = DeviceBody(e.rdev)
+            derived = base_ino(e.fingerprint.inode)
             inode = Inode(
-                txn.new_ino(),
+                txn.numbered(derived) if derived and derived not in txn.inodes else txn.new_ino(),
                 e.kind,
                 e.mode & 0o7777,
                 e.uid,

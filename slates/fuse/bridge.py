@@ -47,6 +47,13 @@ operations, asynchronous reads and a deeper background queue
 (max_background 64); the loop stays one thread, because the ring link
 keeps one request in flight and the shard applies a volume's requests in
 order (native/bridge_session.c).
+LOOKUP, GETATTR, READLINK, ACCESS, LSEEK and READDIRPLUS of untouched
+base entries never reach the shard either: the shard marks directories that
+hold nothing private ("dir" in an ATTR), and C answers their names from the
+base directory, numbering each entry as the volume will when it binds it
+(BASE_INO_START + st_ino) and counting its kernel references itself; a
+request that names such an entry first binds it in the shard, with the
+fingerprint the kernel saw (native/bridge_meta.c).
 READs of files whose content is wholly their base file's (no private
 extents, not truncated) never reach the shard: the shard's ATTRs name such
 a file's base path and fingerprint, and C reads it beneath the base
@@ -205,6 +212,7 @@ STATS: dict[int, str] = {
     lib.BRIDGE_STAT_FAILED: "failed",
     lib.BRIDGE_STAT_CLEAN_READS: "clean_reads",
     lib.BRIDGE_STAT_CLEAN_MISSES: "clean_misses",
+    lib.BRIDGE_STAT_META_ANSWERS: "meta_answers",
 }
 
 

@@ -17,19 +17,36 @@ and the fingerprint the volume pinned; `fs.base` names the base directory
 answer READs of that inode from the base itself, checking the open file
 against the fingerprint exactly as the volume's reader does, and asks
 here again on any doubt (native/bridge_clean.c).
+
+Clean base directories: an ATTR of a directory whose every visible name is
+an untouched base name (it merges a base directory, hides none, and every
+entry it holds is a base entry bound under its own name) carries
+`"dir": [path (bin), [bound inode, ...]]`.  With it the bridge may
+answer LOOKUP, READDIRPLUS, GETATTR, READLINK, ACCESS and LSEEK of the
+directory's unlisted children itself, from the base (its listings use
+`cookie_of` too), naming each child by the number the volume gives a
+base entry (slates.core.volume.base_ino), without binding it or counting a
+kernel reference here (native/bridge_meta.c).  Before any request that
+names such a child the bridge sends `fs.lookup` with `node` (the number it
+gave), `fp` ([dev, ino, size, mtime_ns] as it observed the base entry),
+`mode` (the type bits it observed) and `refs` (the kernel references it
+counted): the entry is bound here with the fingerprint the kernel saw (so a
+base file changed since reads as drift, as if bound then), and the
+references are retained.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import posixpath
 import stat
 from typing import Any
 
-import blake3
-
 from slates.core.extents import PAGE
-from slates.core.records import Attr, Kind
-from slates.core.volume import MAX_FILE_SIZE, Volume
-from slates.errors import AlreadyExists, InvalidArgument, IsADirectory, NotFound
+from slates.core.records import Attr, BaseEntry, BindBase, Fingerprint, Kind
+from slates.core.volume import MAX_FILE_SIZE, DirBody, FileBody, Volume, base_ino
+from slates.errors import AlreadyExists, BaseDrift, InvalidArgument, IsADirectory, NotFound
 
 __all__ = [
     "run_fs_op",
@@ -57,6 +74,9 @@ FALLOC_FL_KEEP_SIZE = 1
 FALLOC_FL_PUNCH_HOLE = 2
 FALLOC_FL_ZERO_RANGE = 16
 MAX_READ = 1 << 20  # the bridge's max_read; a reply then fits one ring message
+# A directory with more bound entries than this gets no clean mark (the list would
+# make every ATTR of it large); the shard answers its names as before.
+MAX_MARK_BOUND = 4096
 
 
 def attr_map(attr: Attr) -> dict[str, int]:
@@ -77,8 +97,13 @@ def attr_map(attr: Attr) -> dict[str, int]:
 
 
 def attr_reply(volume: Volume, attr: Attr) -> dict[str, Any]:
-    """An ATTR for the bridge: attr_map, plus "base" when the content is the base file's."""
+    """An ATTR for the bridge: attr_map, plus "base" when the content is the base file's
+    and "dir" when every visible name of a directory is an untouched base name."""
     out: dict[str, Any] = attr_map(attr)
+    if attr.kind == Kind.DIR:
+        mark = clean_dir_mark(volume, attr.ino)
+        if mark is not None:
+            out["dir"] = mark
     clean = volume.base_content(attr.ino) if attr.kind == Kind.FILE else None
     if clean is not None:
         path, fp = clean
@@ -90,6 +115,30 @@ def attr_reply(volume: Volume, attr: Attr) -> dict[str, Any]:
             fp.mtime_ns,
         ]
     return out
+
+
+def clean_dir_mark(volume: Volume, ino: int) -> list[Any] | None:
+    """[base path, bound inodes] of a directory the bridge may answer names in
+    from the base (PROTOCOL.md), or None.  Bound inodes are listed so the bridge asks
+    here for them: only the volume knows whether they changed."""
+    inode = volume.root.inodes.get(ino)
+    if volume.base is None or volume.root.case_insensitive or inode is None:
+        return None
+    body = inode.body
+    if not isinstance(body, DirBody) or body.base_path is None or body.whiteouts:
+        return None
+    if inode.nlink == 0 or len(body.entries) > MAX_MARK_BOUND:
+        return None
+    bound: list[int] = []
+    for entry in body.entries.values():
+        child = volume.root.inodes.get(entry.ino)
+        if child is None or entry.ino != base_ino(child.st_ino):
+            return None  # private, or numbered otherwise: the bridge would name it wrongly
+        path = posixpath.join(body.base_path, entry.name)
+        if not isinstance(child.body, FileBody | DirBody) or child.body.base_path != path:
+            return None  # renamed in, or a kind whose base name cannot be checked here
+        bound.append(entry.ino)
+    return [body.base_path.encode("utf-8", "surrogateescape"), bound]
 
 
 def base_root(volume: Volume) -> dict[str, Any]:
@@ -108,10 +157,16 @@ def entry_size(name: str, plus: bool) -> int:
     return size + (128 if plus else 0)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # listings ask for the same names again and again
 def cookie_of(name: str) -> int:
-    """A readdir cookie: stable per name, so removals never make a listing skip."""
-    digest = blake3.blake3(name.encode("utf-8", "surrogateescape")).digest()
-    return (int.from_bytes(digest[:8], "big") >> 1) | 4  # above "." (1) and ".." (2)
+    """A readdir cookie: stable per name, so removals never make a listing skip.
+
+    64-bit FNV-1a of the name's bytes, as native/bridge_meta.c computes it for the
+    listings it answers from the base: a listing the shard continues must agree."""
+    h = 0xCBF29CE484222325
+    for byte in name.encode("utf-8", "surrogateescape"):
+        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return (h >> 1) | 4  # above "." (1) and ".." (2)
 
 
 def _int(args: dict[str, Any], key: str) -> int:
@@ -142,6 +197,8 @@ def _entry(volume: Volume, attr: Attr) -> dict[str, Any]:
 def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
     """Run one fs.* operation on `volume` at time `now`."""
     match op:
+        case "fs.lookup" if "node" in args:
+            return _bind_node(volume, args)
         case "fs.lookup":
             return _entry(volume, volume.lookup(_int(args, "parent"), _name(args)))
         case "fs.forget":
@@ -260,6 +317,51 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
             return {}  # permissions are checked by the kernel (default_permissions)
         case _:
             raise InvalidArgument("unknown operation", op=op)
+
+
+def _bind_node(volume: Volume, args: dict[str, Any]) -> dict[str, Any]:
+    """A base entry the bridge answered itself, bound at the number it gave (PROTOCOL.md)."""
+    node, refs = _int(args, "node"), _int(args, "refs")
+    fp = args.get("fp")
+    if (
+        not isinstance(fp, list | tuple)
+        or len(fp) != 4
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in fp)
+    ):
+        raise InvalidArgument("fp must be [dev, ino, size, mtime_ns]", field="fp")
+    seen = Fingerprint(fp[0], fp[1], fp[2], fp[3])
+    if node != base_ino(seen.inode):
+        raise InvalidArgument("the node is not the base entry's number", node=node)
+    if node not in volume.root.inodes:
+        parent, name = _int(args, "parent"), _name(args)
+        base_path = volume.dir_info(parent).base_path
+        entry = None
+        if volume.base is not None and base_path is not None:
+            entry = volume.base.stat(posixpath.join(base_path, name))
+        if entry is None:
+            raise BaseDrift("the base entry the kernel holds is gone", name=name)
+        if MODE_BITS[entry.kind] != stat.S_IFMT(_int(args, "mode")):
+            raise BaseDrift("the base entry the kernel holds changed its type", name=name)
+        if entry.fingerprint != seen:
+            entry = _as_seen(entry, seen)
+        volume.apply(BindBase(parent, name, entry))
+        if node not in volume.root.inodes:
+            raise BaseDrift("the base entry is bound under another number", node=node)
+    if refs:
+        volume.retain(node, refs)
+    return attr_reply(volume, volume.getattr(node))
+
+
+def _as_seen(entry: BaseEntry, seen: Fingerprint) -> BaseEntry:
+    """A base entry that changed since the bridge saw it, bound as the kernel saw it: a
+    file keeps the fingerprint (and size) observed, so its reads are drift, as they
+    would be had it been bound then; a directory or symlink keeps only its identity."""
+    now = entry.fingerprint
+    if entry.kind == Kind.FILE:
+        return dataclasses.replace(entry, fingerprint=seen, size=seen.size)
+    if (now.device, now.inode) != (seen.device, seen.inode):
+        raise BaseDrift("the base entry the kernel holds was replaced", path=entry.path)
+    return entry
 
 
 def _seek_whence(args: dict[str, Any]) -> str:

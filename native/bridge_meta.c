@@ -1,0 +1,707 @@
+/*
+ * Clean base metadata: LOOKUP, READDIRPLUS, GETATTR, READLINK, ACCESS and
+ * LSEEK of untouched base entries answered from the base directory, without
+ * asking the shard.
+ *
+ * Theory of operation.  The first touch of a fresh workspace is mostly
+ * LOOKUPs of base names nobody has changed; through the shard each costs a
+ * Python step that binds the entry and counts a kernel reference, both
+ * journaled (bench/RESULTS.md, "First touch").  The shard instead tells the
+ * bridge which directories hold nothing private: an ATTR of a directory
+ * that merges a base directory, hides no name and holds only base entries
+ * bound under their own names carries "dir": [base path, [bound inode, ...]]
+ * (slates/node/fsops.py).  In such a directory every name the volume has
+ * not bound is exactly its base entry, so the bridge answers it itself:
+ *   - the entry is opened beneath the base directory fd (openat2 with
+ *     RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV, O_PATH |
+ *     O_NOFOLLOW) and fstat'ed; missing is a negative entry (nothing private
+ *     could hide or add the name);
+ *   - its node id is the number the volume gives a base entry when it binds
+ *     it (BASE_INO_START + st_ino, slates.core.volume.base_ino), so the
+ *     shard's later answers, its invalidations and the kernel agree on it
+ *     without any table; an entry on another device, or with an inode
+ *     number past the span, is left to the shard;
+ *   - its attributes are built as the volume builds a bound base entry's
+ *     (a merged directory's nlink is 1 and size 0, blocks from the size);
+ *   - a child directory answered so is itself clean (nothing of it is bound);
+ *     a regular file is taught to the clean-read table (bridge_clean.c).
+ * READDIRPLUS of a clean directory (bridge_meta_dir.c) lists the base
+ * directory itself, sorted
+ * by the same cookie the shard gives a name (64-bit FNV-1a, fsops.py's
+ * cookie_of), so a listing the shard continues (the mark revoked between
+ * two calls) neither skips nor repeats a name; each entry is answered as a
+ * LOOKUP would be.  Every inode the shard listed as bound, and every node
+ * it invalidated, is "tainted": the shard answers for it from then on, since
+ * only the volume knows whether it changed (a listing gives such an entry
+ * without attributes, and the kernel looks it up).  GETATTR, READLINK,
+ * ACCESS and LSEEK of a node this file answered, and not tainted since, are
+ * answered from what was seen (an untouched base file is one data extent).
+ *
+ * Kernel references.  A node answered here costs the shard nothing: the
+ * bridge counts the kernel's references itself (`local_refs`) and a FORGET
+ * of them never leaves the bridge.  Before any request that names such a
+ * node goes to the shard, meta_prepare binds it there (parents first):
+ * fs.lookup with `node`, `fp` (the fingerprint seen), `mode` and `refs`,
+ * which binds the entry with the fingerprint the kernel saw (a base file
+ * changed since then reads as drift, BaseDrift rules unchanged) and retains
+ * the counted references, so an unlinked file the kernel holds stays alive
+ * in the shard.  meta_prepare_child does the same for the child a
+ * mutation names by (parent, name) (unlink, rmdir, rename): the entry is
+ * bound before it is removed or replaced.
+ *
+ * When a mark stops being true.  The loop thread taints, before it forwards
+ * a mutation, the nodes it changes (the file written or set, the directory
+ * an entry is added to or removed from); the watcher thread taints what the
+ * shard invalidates (bridge_notify_inval_*: another client changed it)
+ * before it acknowledges, and the shard answers that client only after the
+ * acknowledgement.  A taint of a directory also drops its clean mark.  A
+ * binding by another client changes nothing visible: the bound entry is
+ * still its base entry, under the same number, until a change to it taints
+ * it.  Race with a taint: every taint starts a new epoch; a local answer
+ * reads the epoch before it looks at the base and replies, under the lock,
+ * only if no taint ran meanwhile (else the shard answers), so an
+ * invalidation acknowledged before the reply is never undone by it.
+ *
+ * Bounded: the node table holds only nodes the kernel holds (entries leave
+ * with the kernel's last FORGET), and the taint set holds nodes changed
+ * while mounted; both grow by doubling, and an allocation failure makes the
+ * shard answer (only a cache; a taint that cannot be recorded stops every
+ * answer here).  Counted: BRIDGE_STAT_META_ANSWERS.
+ *
+ * Not covered: another client's unlink of a name whose node only the bridge
+ * knows leaves the shard nothing to keep alive (the base file is still read
+ * through the kernel's open file, but a write to it fails); an inode number
+ * the base reuses for a new file while the volume still holds the old one
+ * is bound under another number, and requests naming it fail (EIO).
+ */
+#include "bridge_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/openat2.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define META_BASE_INO_SPAN (1ull << 40)
+#define META_BASE_INO_START ((1ull << 52) - META_BASE_INO_SPAN)
+
+enum { META_LOCAL = 1, META_BOUND = 2, META_CLEAN_DIR = 4 };
+
+struct meta_node {
+    uint64_t node;
+    uint64_t parent;      /* the directory it was answered in (META_LOCAL) */
+    uint64_t kernel_refs; /* lookups the kernel holds */
+    uint64_t local_refs;  /* of those, the ones the shard was not told */
+    char *path;           /* base-relative, "" for the base root; NULL if unknown */
+    const char *name;     /* the last component of path */
+    struct stat seen;     /* the base entry as fstat'ed (META_LOCAL) */
+    unsigned flags;
+};
+
+static struct {
+    struct u64map nodes;   /* node -> struct meta_node * */
+    struct u64map tainted; /* node -> (void *)1 */
+    uint64_t epoch;
+    dev_t base_dev;
+    int base_known; /* -1: no usable base, 0: not looked at yet, 1: base_dev set */
+    int root_probed;
+    int degraded; /* a taint could not be remembered: nothing is answered here */
+} g_meta;
+static pthread_mutex_t g_meta_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static struct meta_node *node_get(uint64_t node) { return map_get(&g_meta.nodes, node); }
+
+static void node_free(struct meta_node *e)
+{
+    free(e->path);
+    free(e);
+}
+
+static int tainted(uint64_t node)
+{
+    return g_meta.degraded || map_get(&g_meta.tainted, node) != NULL;
+}
+
+/* Under the lock: the node is the shard's to answer from now on. */
+static void taint_locked(uint64_t node)
+{
+    g_meta.epoch++;
+    struct meta_node *e = node_get(node);
+    if (e != NULL)
+        e->flags &= ~(unsigned)META_CLEAN_DIR;
+    if (map_put(&g_meta.tainted, node, (void *)1) != 0)
+        g_meta.degraded = 1; /* no room to remember it: the shard answers everything */
+}
+
+void meta_taint(uint64_t node)
+{
+    pthread_mutex_lock(&g_meta_lock);
+    taint_locked(node);
+    pthread_mutex_unlock(&g_meta_lock);
+}
+
+uint64_t meta_epoch(void)
+{
+    pthread_mutex_lock(&g_meta_lock);
+    uint64_t epoch = g_meta.epoch;
+    pthread_mutex_unlock(&g_meta_lock);
+    return epoch;
+}
+
+/* The base directory's device, once; 0 when there is no usable base. */
+static int base_ready(void)
+{
+    if (g_meta.base_known == 0) {
+        struct stat st;
+        int fd = clean_base_fd();
+        g_meta.base_known = fd >= 0 && fstat(fd, &st) == 0 ? 1 : -1;
+        if (g_meta.base_known == 1)
+            g_meta.base_dev = st.st_dev;
+    }
+    return g_meta.base_known == 1;
+}
+
+static char *join(const char *dir, const char *name)
+{
+    size_t a = strlen(dir), b = strlen(name);
+    if (a + b + 2 > PATH_MAX)
+        return NULL;
+    char *out = malloc(a + b + 2);
+    if (out == NULL)
+        return NULL;
+    if (a == 0) {
+        memcpy(out, name, b + 1);
+    } else {
+        memcpy(out, dir, a);
+        out[a] = '/';
+        memcpy(out + a + 1, name, b + 1);
+    }
+    return out;
+}
+
+static const char *last_name(const char *path)
+{
+    const char *slash = strrchr(path, '/');
+    return slash != NULL ? slash + 1 : path;
+}
+
+/* fstat of the entry at `path` beneath the base: 0, or -errno. */
+int meta_stat_beneath(const char *path, struct stat *st)
+{
+    struct open_how how;
+    memset(&how, 0, sizeof how);
+    how.flags = O_PATH | O_NOFOLLOW | O_CLOEXEC;
+    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV;
+    long fd;
+    do
+        fd = syscall(SYS_openat2, clean_base_fd(), path[0] ? path : ".", &how, sizeof how);
+    while (fd < 0 && (errno == EINTR || errno == EAGAIN));
+    if (fd < 0)
+        return -errno;
+    int rc = fstat((int)fd, st) == 0 ? 0 : -errno;
+    close((int)fd);
+    return rc;
+}
+
+/* The node id the volume binds this base entry at, or 0 (the shard decides). */
+static uint64_t derived_node(const struct stat *st)
+{
+    if (st->st_dev != g_meta.base_dev || st->st_ino == 0 || (uint64_t)st->st_ino >= META_BASE_INO_SPAN)
+        return 0;
+    return META_BASE_INO_START + (uint64_t)st->st_ino;
+}
+
+/* The attributes the volume reports for a base entry bound from `b`. */
+static void attr_of_base(const struct stat *b, struct stat *out)
+{
+    memset(out, 0, sizeof *out);
+    out->st_ino = b->st_ino;
+    out->st_mode = b->st_mode & (S_IFMT | 07777);
+    out->st_nlink = S_ISDIR(b->st_mode) ? 1 : (b->st_nlink > 0 ? b->st_nlink : 1);
+    out->st_uid = b->st_uid;
+    out->st_gid = b->st_gid;
+    if (S_ISREG(b->st_mode) || S_ISLNK(b->st_mode))
+        out->st_size = b->st_size;
+    if (S_ISREG(b->st_mode))
+        out->st_blocks = (b->st_size + 511) / 512;
+    if (S_ISCHR(b->st_mode) || S_ISBLK(b->st_mode))
+        out->st_rdev = b->st_rdev;
+    out->st_blksize = 4096;
+    out->st_atim = b->st_atim;
+    out->st_mtim = b->st_mtim;
+    out->st_ctim = b->st_ctim;
+}
+
+/* Learn the root's mark once (the kernel never looks the root up). */
+static void probe_root(void)
+{
+    const msgpack_object *res;
+    g_meta.root_probed = 1;
+    uint64_t epoch = meta_epoch();
+    enc_ino("fs.getattr", 1);
+    if (link_call(&res) == 0)
+        meta_note_attr(1, res, epoch, 0);
+}
+
+char *meta_dir_path(uint64_t dir, uint64_t *parent)
+{
+    char *path = NULL;
+    pthread_mutex_lock(&g_meta_lock);
+    struct meta_node *e = node_get(dir);
+    if (e != NULL && e->path != NULL) {
+        path = strdup(e->path);
+        *parent = (e->flags & META_LOCAL) ? e->parent : dir == 1 ? 1 : 0;
+    }
+    pthread_mutex_unlock(&g_meta_lock);
+    return path;
+}
+
+char *meta_child_path(uint64_t dir, const char *name)
+{
+    char *path = NULL;
+    pthread_mutex_lock(&g_meta_lock);
+    struct meta_node *e = node_get(dir);
+    if (e != NULL && e->path != NULL)
+        path = join(e->path, name);
+    pthread_mutex_unlock(&g_meta_lock);
+    return path;
+}
+
+int meta_lookup(fuse_req_t req, uint64_t parent, const char *name)
+{
+    if (!base_ready())
+        return 0;
+    if (parent == 1 && !g_meta.root_probed)
+        probe_root();
+    uint64_t absent_ep = absent_epoch(), clean_ep = clean_epoch();
+    pthread_mutex_lock(&g_meta_lock);
+    uint64_t epoch = g_meta.epoch;
+    struct meta_node *pe = node_get(parent);
+    char *path = NULL;
+    if (pe != NULL && (pe->flags & META_CLEAN_DIR) && pe->path != NULL && !tainted(parent))
+        path = join(pe->path, name);
+    pthread_mutex_unlock(&g_meta_lock);
+    if (path == NULL)
+        return 0;
+    struct stat st;
+    int rc = meta_stat_beneath(path, &st);
+    uint64_t node = rc == 0 ? derived_node(&st) : 0;
+    if (rc != 0 && rc != -ENOENT) {
+        free(path);
+        return 0;
+    }
+    if (rc == 0 && node == 0) {
+        free(path);
+        return 0;
+    }
+    int answered = 0;
+    pthread_mutex_lock(&g_meta_lock);
+    pe = node_get(parent);
+    if (g_meta.epoch != epoch || pe == NULL || !(pe->flags & META_CLEAN_DIR))
+        goto out;
+    if (rc == -ENOENT) {
+        struct fuse_entry_param e;
+        memset(&e, 0, sizeof e);
+        e.entry_timeout = g_bridge.cache_timeout;
+        fuse_reply_entry(req, &e); /* under the lock: no taint can slip in between */
+        answered = 1;
+        goto out;
+    }
+    if (tainted(node))
+        goto out;
+    struct meta_node *e = node_get(node);
+    if (e != NULL && (!(e->flags & META_LOCAL) || e->seen.st_mode != st.st_mode ||
+                      e->seen.st_size != st.st_size ||
+                      ts_ns(&e->seen.st_mtim) != ts_ns(&st.st_mtim)))
+        goto out; /* known otherwise, or changed since: the shard decides */
+    if (e == NULL) {
+        e = calloc(1, sizeof *e);
+        if (e == NULL || map_put(&g_meta.nodes, node, e) != 0) {
+            free(e);
+            goto out;
+        }
+        e->node = node;
+        e->parent = parent;
+        e->path = path;
+        e->name = last_name(path);
+        e->seen = st;
+        e->flags = META_LOCAL | (S_ISDIR(st.st_mode) ? META_CLEAN_DIR : 0);
+        path = NULL;
+    }
+    e->kernel_refs++;
+    e->local_refs++;
+    struct fuse_entry_param ep;
+    memset(&ep, 0, sizeof ep);
+    ep.ino = node;
+    attr_of_base(&st, &ep.attr);
+    ep.attr_timeout = g_bridge.cache_timeout;
+    ep.entry_timeout = g_bridge.cache_timeout;
+    absent_mark_inode(node, absent_ep); /* an unbound base entry has no xattrs */
+    if (S_ISREG(st.st_mode) && st.st_size > 0)
+        clean_learn(node, e->path, &st, clean_ep);
+    fuse_reply_entry(req, &ep);
+    bridge_count(BRIDGE_STAT_META_ANSWERS);
+    answered = 1;
+out:
+    pthread_mutex_unlock(&g_meta_lock);
+    free(path);
+    return answered;
+}
+
+int meta_listable(uint64_t dir, uint64_t *epoch)
+{
+    if (!base_ready())
+        return 0;
+    if (dir == 1 && !g_meta.root_probed)
+        probe_root();
+    pthread_mutex_lock(&g_meta_lock);
+    struct meta_node *e = node_get(dir);
+    int ok = e != NULL && (e->flags & META_CLEAN_DIR) && e->path != NULL && !tainted(dir);
+    *epoch = g_meta.epoch;
+    pthread_mutex_unlock(&g_meta_lock);
+    return ok;
+}
+
+int meta_dirent(uint64_t dir, const char *name, uint64_t epoch, struct fuse_entry_param *out)
+{
+    uint64_t absent_ep = absent_epoch(), clean_ep = clean_epoch();
+    char *path = NULL;
+    pthread_mutex_lock(&g_meta_lock);
+    struct meta_node *pe = node_get(dir);
+    if (pe != NULL && pe->path != NULL)
+        path = join(pe->path, name);
+    pthread_mutex_unlock(&g_meta_lock);
+    if (path == NULL)
+        return 0;
+    struct stat st;
+    int rc = meta_stat_beneath(path, &st);
+    if (rc == -ENOENT) {
+        free(path);
+        return -1; /* removed since it was listed: the shard skips it too */
+    }
+    uint64_t node = rc == 0 ? derived_node(&st) : 0;
+    int answered = 0;
+    pthread_mutex_lock(&g_meta_lock);
+    struct meta_node *e = node_get(node);
+    if (node == 0 || g_meta.epoch != epoch || tainted(node))
+        goto out;
+    if (e != NULL && (!(e->flags & META_LOCAL) || e->seen.st_mode != st.st_mode ||
+                      e->seen.st_size != st.st_size ||
+                      ts_ns(&e->seen.st_mtim) != ts_ns(&st.st_mtim)))
+        goto out;
+    if (e == NULL) {
+        e = calloc(1, sizeof *e);
+        if (e == NULL || map_put(&g_meta.nodes, node, e) != 0) {
+            free(e);
+            goto out;
+        }
+        e->node = node;
+        e->parent = dir;
+        e->path = path;
+        e->name = last_name(path);
+        e->seen = st;
+        e->flags = META_LOCAL | (S_ISDIR(st.st_mode) ? META_CLEAN_DIR : 0);
+        path = NULL;
+    }
+    e->kernel_refs++;
+    e->local_refs++;
+    memset(out, 0, sizeof *out);
+    out->ino = node;
+    attr_of_base(&st, &out->attr);
+    out->attr_timeout = g_bridge.cache_timeout;
+    out->entry_timeout = g_bridge.cache_timeout;
+    absent_mark_inode(node, absent_ep);
+    if (S_ISREG(st.st_mode) && st.st_size > 0)
+        clean_learn(node, e->path, &st, clean_ep);
+    bridge_count(BRIDGE_STAT_META_ANSWERS);
+    answered = 1;
+out:
+    pthread_mutex_unlock(&g_meta_lock);
+    free(path);
+    return answered;
+}
+
+int meta_lock_if(uint64_t epoch)
+{
+    pthread_mutex_lock(&g_meta_lock);
+    if (g_meta.epoch == epoch)
+        return 1;
+    pthread_mutex_unlock(&g_meta_lock);
+    return 0;
+}
+
+void meta_unlock(void) { pthread_mutex_unlock(&g_meta_lock); }
+
+/* A node this file answered and nobody changed since: its attributes. */
+static int local_attr(uint64_t ino, struct stat *attr, struct stat *seen)
+{
+    struct meta_node *e = node_get(ino);
+    if (e == NULL || !(e->flags & META_LOCAL) || tainted(ino))
+        return 0;
+    attr_of_base(&e->seen, attr);
+    if (seen != NULL)
+        *seen = e->seen;
+    return 1;
+}
+
+int meta_getattr(fuse_req_t req, uint64_t ino)
+{
+    struct stat st;
+    pthread_mutex_lock(&g_meta_lock);
+    int known = local_attr(ino, &st, NULL);
+    if (known) {
+        fuse_reply_attr(req, &st, g_bridge.cache_timeout);
+        bridge_count(BRIDGE_STAT_META_ANSWERS);
+    }
+    pthread_mutex_unlock(&g_meta_lock);
+    return known;
+}
+
+int meta_base_file(uint64_t ino, char *path, size_t cap, struct stat *seen)
+{
+    struct stat attr;
+    pthread_mutex_lock(&g_meta_lock);
+    struct meta_node *e = node_get(ino);
+    int known = local_attr(ino, &attr, seen) && S_ISREG(seen->st_mode) && e->path != NULL &&
+                strlen(e->path) < cap;
+    if (known)
+        strcpy(path, e->path);
+    pthread_mutex_unlock(&g_meta_lock);
+    return known;
+}
+
+int meta_lseek(fuse_req_t req, uint64_t ino, uint64_t off, int whence)
+{
+    struct stat attr, seen;
+    pthread_mutex_lock(&g_meta_lock);
+    int known = local_attr(ino, &attr, &seen) && S_ISREG(seen.st_mode) &&
+                (whence == SEEK_DATA || whence == SEEK_HOLE);
+    if (known) {
+        /* An untouched base file is one data extent over its size, as the volume
+         * pins it: data at any offset inside, the only hole at the end. */
+        uint64_t size = (uint64_t)seen.st_size;
+        if (off >= size)
+            fuse_reply_err(req, ENXIO);
+        else
+            fuse_reply_lseek(req, (off_t)(whence == SEEK_DATA ? off : size));
+        bridge_count(BRIDGE_STAT_META_ANSWERS);
+    }
+    pthread_mutex_unlock(&g_meta_lock);
+    return known;
+}
+
+int meta_access(fuse_req_t req, uint64_t ino)
+{
+    struct stat st;
+    pthread_mutex_lock(&g_meta_lock);
+    int known = local_attr(ino, &st, NULL);
+    if (known) {
+        fuse_reply_err(req, 0); /* the shard's fs.access only checks the inode exists */
+        bridge_count(BRIDGE_STAT_META_ANSWERS);
+    }
+    pthread_mutex_unlock(&g_meta_lock);
+    return known;
+}
+
+int meta_readlink(fuse_req_t req, uint64_t ino)
+{
+    struct stat attr, seen;
+    char *path = NULL;
+    pthread_mutex_lock(&g_meta_lock);
+    uint64_t epoch = g_meta.epoch;
+    struct meta_node *e = node_get(ino);
+    if (local_attr(ino, &attr, &seen) && S_ISLNK(seen.st_mode) && e->path != NULL)
+        path = strdup(e->path);
+    pthread_mutex_unlock(&g_meta_lock);
+    if (path == NULL)
+        return 0;
+    struct open_how how;
+    memset(&how, 0, sizeof how);
+    how.flags = O_PATH | O_NOFOLLOW | O_CLOEXEC;
+    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV;
+    long fd = syscall(SYS_openat2, clean_base_fd(), path, &how, sizeof how);
+    free(path);
+    if (fd < 0)
+        return 0;
+    struct stat now;
+    char target[PATH_MAX + 1];
+    ssize_t n = -1;
+    if (fstat((int)fd, &now) == 0 && now.st_dev == seen.st_dev && now.st_ino == seen.st_ino &&
+        now.st_size == seen.st_size && ts_ns(&now.st_mtim) == ts_ns(&seen.st_mtim))
+        n = readlinkat((int)fd, "", target, PATH_MAX);
+    close((int)fd);
+    if (n < 0 || n != seen.st_size)
+        return 0; /* changed since the kernel saw it: the shard decides */
+    target[n] = '\0';
+    int answered = 0;
+    pthread_mutex_lock(&g_meta_lock);
+    if (g_meta.epoch == epoch) {
+        fuse_reply_readlink(req, target);
+        bridge_count(BRIDGE_STAT_META_ANSWERS);
+        answered = 1;
+    }
+    pthread_mutex_unlock(&g_meta_lock);
+    return answered;
+}
+
+uint64_t meta_forget(uint64_t ino, uint64_t nlookup)
+{
+    pthread_mutex_lock(&g_meta_lock);
+    struct meta_node *e = node_get(ino);
+    if (e == NULL) {
+        pthread_mutex_unlock(&g_meta_lock);
+        return nlookup;
+    }
+    uint64_t local = nlookup < e->local_refs ? nlookup : e->local_refs;
+    e->local_refs -= local;
+    e->kernel_refs -= nlookup < e->kernel_refs ? nlookup : e->kernel_refs;
+    if (e->kernel_refs == 0 && ino != 1) {
+        map_del(&g_meta.nodes, ino);
+        node_free(e);
+    }
+    pthread_mutex_unlock(&g_meta_lock);
+    return nlookup - local;
+}
+
+void meta_note_attr(uint64_t node, const msgpack_object *attr, uint64_t epoch, int entry)
+{
+    const msgpack_object *mark = mp_get(attr, "dir");
+    const char *p = NULL;
+    uint32_t n = 0;
+    const msgpack_object *bound = NULL;
+    if (mark != NULL && mark->type == MSGPACK_OBJECT_ARRAY && mark->via.array.size == 2 &&
+        mp_bytes(&mark->via.array.ptr[0], &p, &n) && n < PATH_MAX &&
+        memchr(p, '\0', n) == NULL && mark->via.array.ptr[1].type == MSGPACK_OBJECT_ARRAY)
+        bound = &mark->via.array.ptr[1];
+    else
+        mark = NULL;
+    if (node == 1)
+        g_meta.root_probed = 1; /* the kernel asked first */
+    pthread_mutex_lock(&g_meta_lock);
+    struct meta_node *e = node_get(node);
+    if (e != NULL) {
+        e->flags |= META_BOUND; /* the shard answered for it: it has it */
+        if (entry)
+            e->kernel_refs++;
+    }
+    if (mark == NULL || g_meta.epoch != epoch || !base_ready()) {
+        if (e != NULL)
+            e->flags &= ~(unsigned)META_CLEAN_DIR;
+        pthread_mutex_unlock(&g_meta_lock);
+        return;
+    }
+    if (e == NULL && (entry || node == 1)) {
+        e = calloc(1, sizeof *e);
+        if (e != NULL && map_put(&g_meta.nodes, node, e) != 0) {
+            free(e);
+            e = NULL;
+        }
+        if (e != NULL) {
+            e->node = node;
+            e->kernel_refs = node == 1 ? 1 : 1; /* the root is never forgotten */
+            e->flags = META_BOUND;
+        }
+    }
+    char *path = e != NULL ? malloc((size_t)n + 1) : NULL;
+    if (path != NULL) {
+        while (n > 0 && p[0] == '/') {
+            p++;
+            n--;
+        }
+        memcpy(path, p, n);
+        path[n] = '\0';
+        free(e->path);
+        e->path = path;
+        e->name = last_name(path);
+        int ok = 1;
+        for (uint32_t i = 0; i < bound->via.array.size && ok; i++) {
+            uint64_t child;
+            ok = mp_uint(&bound->via.array.ptr[i], &child) &&
+                 map_put(&g_meta.tainted, child, (void *)1) == 0;
+        }
+        ok = ok && !g_meta.degraded;
+        if (ok)
+            e->flags |= META_CLEAN_DIR;
+        else
+            e->flags &= ~(unsigned)META_CLEAN_DIR;
+    }
+    pthread_mutex_unlock(&g_meta_lock);
+}
+
+/* What binding `node` in the shard needs, read under the lock. */
+struct bind_plan {
+    uint64_t parent, refs;
+    struct stat seen;
+    char name[NAME_MAX * 4 + 1];
+    int needed;
+};
+
+static struct bind_plan plan_of(uint64_t node)
+{
+    struct bind_plan plan;
+    memset(&plan, 0, sizeof plan);
+    pthread_mutex_lock(&g_meta_lock);
+    struct meta_node *e = node_get(node);
+    if (e != NULL && (e->flags & META_LOCAL) && e->path != NULL &&
+        (e->local_refs > 0 || !(e->flags & META_BOUND)) && strlen(e->name) < sizeof plan.name) {
+        plan.needed = 1;
+        plan.parent = e->parent;
+        plan.refs = e->local_refs;
+        plan.seen = e->seen;
+        strcpy(plan.name, e->name);
+    }
+    pthread_mutex_unlock(&g_meta_lock);
+    return plan;
+}
+
+int meta_prepare(uint64_t node)
+{
+    struct bind_plan plan = plan_of(node);
+    if (!plan.needed)
+        return 0;
+    int rc = meta_prepare(plan.parent); /* bounded by the path's depth */
+    if (rc != 0)
+        return rc;
+    const msgpack_object *res;
+    uint64_t epoch = meta_epoch();
+    enc_bind(plan.parent, plan.name, node, &plan.seen, plan.refs);
+    rc = link_call(&res);
+    if (rc != 0)
+        return rc;
+    pthread_mutex_lock(&g_meta_lock);
+    struct meta_node *e = node_get(node);
+    if (e != NULL) {
+        e->local_refs -= plan.refs < e->local_refs ? plan.refs : e->local_refs;
+        e->flags |= META_BOUND;
+    }
+    pthread_mutex_unlock(&g_meta_lock);
+    meta_note_attr(node, res, epoch, 0);
+    return 0;
+}
+
+int meta_prepare_child(uint64_t parent, const char *name)
+{
+    char *path = NULL;
+    pthread_mutex_lock(&g_meta_lock);
+    struct meta_node *pe = node_get(parent);
+    if (pe != NULL && pe->path != NULL && g_meta.base_known == 1)
+        path = join(pe->path, name);
+    pthread_mutex_unlock(&g_meta_lock);
+    if (path == NULL)
+        return 0;
+    struct stat st;
+    int rc = meta_stat_beneath(path, &st);
+    free(path);
+    uint64_t node = rc == 0 ? derived_node(&st) : 0;
+    if (node == 0)
+        return 0;
+    rc = meta_prepare(node);
+    meta_taint(node); /* it loses or changes a name: its attributes are the shard's now */
+    return rc;
+}
+
+

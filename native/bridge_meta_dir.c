@@ -1,0 +1,200 @@
+/*
+ * READDIRPLUS of a clean directory answered wholly from the base directory
+ * (bridge_meta.c says which directories are clean and answers each entry).
+ *
+ * Theory of operation.  The base directory is listed beneath the base fd
+ * (openat2, no symlinks, no other mount), every name given the cookie the
+ * shard gives it (64-bit FNV-1a, slates/node/fsops.py's cookie_of) and the
+ * names sorted by it, so a listing the shard continues (the directory's mark
+ * revoked between two calls) neither skips nor repeats a name, and a name
+ * removed between two calls never makes the listing skip another.  "." and
+ * ".." come first (cookies 1 and 2).  Each other name is answered as a
+ * LOOKUP would be (meta_dirent: one kernel reference counted in the
+ * bridge); a name bound in the volume, or not the bridge's to number, goes
+ * without attributes (the kernel looks it up when it needs them, and the
+ * shard answers).  The reply is sent under the metadata lock after checking
+ * that no taint ran since the listing began, so an invalidation the watcher
+ * acknowledged is never undone by it; otherwise every reference counted is
+ * given back and the shard answers.
+ *
+ * Bounded: at most BRIDGE_LIST_MAX names (a larger directory is the
+ * shard's); the listing is read again for every READDIRPLUS of it.
+ */
+#include "bridge_internal.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* The readdir cookie of a name, as slates/node/fsops.py's cookie_of: 64-bit
+ * FNV-1a of the name's bytes, shifted into 63 bits, above "." (1) and ".." (2). */
+uint64_t meta_cookie(const char *name, size_t len)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < len; i++) {
+        h ^= (uint8_t)name[i];
+        h *= 0x100000001b3ull;
+    }
+    return (h >> 1) | 4;
+}
+
+struct listed {
+    uint64_t cookie;
+    char *name;
+};
+
+static int by_cookie(const void *a, const void *b)
+{
+    uint64_t x = ((const struct listed *)a)->cookie, y = ((const struct listed *)b)->cookie;
+    return x < y ? -1 : x > y;
+}
+
+/* Every name of the base directory at `path`, sorted by cookie: the count, or
+ * -errno.  *out is malloc'ed (names too); bounded by BRIDGE_LIST_MAX names. */
+#define BRIDGE_LIST_MAX (1u << 20)
+static long list_beneath(const char *path, struct listed **out)
+{
+    struct open_how how;
+    memset(&how, 0, sizeof how);
+    how.flags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC;
+    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV;
+    long fd = syscall(SYS_openat2, clean_base_fd(), path[0] ? path : ".", &how, sizeof how);
+    if (fd < 0)
+        return -errno;
+    DIR *dir = fdopendir((int)fd);
+    if (dir == NULL) {
+        int err = errno;
+        close((int)fd);
+        return -err;
+    }
+    size_t n = 0, cap = 64;
+    struct listed *items = malloc(cap * sizeof *items);
+    long rc = items != NULL ? 0 : -ENOMEM;
+    struct dirent *d;
+    while (rc == 0 && (errno = 0, d = readdir(dir)) != NULL) {
+        if (strcmp(d->d_name, ".") == 0 || strcmp(d->d_name, "..") == 0)
+            continue;
+        if (n == BRIDGE_LIST_MAX) {
+            rc = -E2BIG;
+            break;
+        }
+        if (n == cap) {
+            struct listed *more = realloc(items, 2 * cap * sizeof *items);
+            if (more == NULL) {
+                rc = -ENOMEM;
+                break;
+            }
+            items = more;
+            cap *= 2;
+        }
+        size_t len = strlen(d->d_name);
+        items[n].name = strdup(d->d_name);
+        if (items[n].name == NULL) {
+            rc = -ENOMEM;
+            break;
+        }
+        items[n].cookie = meta_cookie(d->d_name, len);
+        n++;
+    }
+    if (rc == 0 && errno != 0)
+        rc = -errno;
+    closedir(dir);
+    if (rc != 0) {
+        for (size_t i = 0; i < n; i++)
+            free(items[i].name);
+        free(items);
+        return rc;
+    }
+    qsort(items, n, sizeof *items, by_cookie);
+    *out = items;
+    return (long)n;
+}
+
+int meta_readdirplus(fuse_req_t req, uint64_t dir, size_t size, uint64_t off)
+{
+    uint64_t epoch, parent = 1;
+    char *path = NULL;
+    if (!meta_listable(dir, &epoch))
+        return 0;
+    path = meta_dir_path(dir, &parent);
+    if (path == NULL)
+        return 0;
+    struct listed *items = NULL;
+    long n = list_beneath(path, &items);
+    free(path);
+    if (n < 0)
+        return 0; /* the shard decides (a directory swapped, gone, unreadable) */
+    char *buf = malloc(size ? size : 1);
+    uint64_t *counted = calloc(n ? (size_t)n : 1, sizeof *counted);
+    size_t used = 0, ncounted = 0;
+    int ok = buf != NULL && counted != NULL;
+    const char *dots[2] = {".", ".."};
+    for (int i = 0; ok && i < 2; i++) {
+        if ((uint64_t)(i + 1) <= off)
+            continue;
+        struct fuse_entry_param e;
+        memset(&e, 0, sizeof e);
+        e.attr.st_ino = (ino_t)(i == 0 ? dir : parent);
+        e.attr.st_mode = S_IFDIR;
+        size_t need = fuse_add_direntry_plus(req, buf + used, size - used, dots[i], &e,
+                                             (off_t)(i + 1));
+        if (need > size - used)
+            goto full;
+        used += need;
+    }
+    for (long i = 0; ok && i < n; i++) {
+        if (items[i].cookie <= off)
+            continue;
+        struct fuse_entry_param e;
+        if (fuse_add_direntry_plus(req, NULL, 0, items[i].name, NULL, 0) > size - used)
+            break;
+        int got = meta_dirent(dir, items[i].name, epoch, &e);
+        if (got < 0)
+            continue; /* removed since it was listed */
+        if (got == 0) {
+            /* Bound in the volume (or not ours to number): the entry goes without
+             * attributes, and the kernel looks it up when it needs them. */
+            struct stat st;
+            char *child = NULL;
+            child = meta_child_path(dir, items[i].name);
+            int rc = child != NULL ? meta_stat_beneath(child, &st) : -ENOMEM;
+            free(child);
+            if (rc == -ENOENT)
+                continue;
+            if (rc != 0) {
+                ok = 0;
+                break;
+            }
+            memset(&e, 0, sizeof e);
+            e.attr.st_ino = st.st_ino;
+            e.attr.st_mode = st.st_mode & S_IFMT;
+        } else {
+            counted[ncounted++] = e.ino;
+        }
+        used += fuse_add_direntry_plus(req, buf + used, size - used, items[i].name, &e,
+                                       (off_t)items[i].cookie);
+    }
+full:
+    if (ok && meta_lock_if(epoch)) {
+        fuse_reply_buf(req, buf, used); /* before any later invalidation reaches the kernel */
+        meta_unlock();
+    } else {
+        ok = 0;
+        for (size_t i = 0; i < ncounted; i++)
+            (void)meta_forget(counted[i], 1); /* never sent: the kernel holds none of them */
+    }
+    for (long i = 0; i < n; i++)
+        free(items[i].name);
+    free(items);
+    free(buf);
+    free(counted);
+    return ok;
+}
+
+
+uint64_t bridge_test_cookie(const char *name, size_t len) { return meta_cookie(name, len); }
