@@ -26,7 +26,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 bootstrap: system-packages $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
 
 demo: bootstrap
 	$(BIN)/slates demo --workspace

@@ -1,4 +1,4 @@
-"""slates_cli: the `slates` command-line front end (installed from the cli/ directory).
+"""slates_cli: the `slates` command-line front end.
 
 Theory of operation: this package is thin on purpose.  `slates_cli.main`
 parses arguments with click, calls a library function that returns plain

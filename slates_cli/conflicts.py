@@ -29,7 +29,7 @@ visible and nothing reaches the terminal raw.  A binary region, or a
 conflict without one, shows bytes as Python writes them, cut at
 SHOWN_BYTES, as the CLI always has.
 
-Pure rendering: dicts in, rich renderables out; cli/commands.py prints them.
+Pure rendering: dicts in, rich renderables out; slates_cli/commands.py prints them.
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ process, as a user would, and checks stdout, stderr and the exit code.  The
 JSON figures are checked against facts the test gathers itself where it can
 (the sample left on disk with --keep: its bytes and sizes), so a demo that
 reported made-up numbers would fail.  If `slates_cli` is not installed (no
-`pip install -e .` yet), the child gets a PYTHONPATH with a temporary
-`slates_cli` symlink to cli/ and the repository root, which is what the
-installed package maps.
+`pip install -e .` yet), the child gets the repository root on its
+PYTHONPATH, which holds both packages.
 """
 
 from __future__ import annotations
@@ -36,9 +35,7 @@ CONF_BASE = b"quality=80\ncache=off\n"
 def cli_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     env = dict(os.environ)
     if importlib.util.find_spec("slates_cli") is None:
-        shim = tmp_path_factory.mktemp("shim")
-        (shim / "slates_cli").symlink_to(REPO / "cli", target_is_directory=True)
-        paths = [str(shim), str(REPO), env.get("PYTHONPATH", "")]
+        paths = [str(REPO), env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["COLUMNS"] = "100"
     return env

@@ -20,7 +20,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +37,10 @@ ERROR_LINE = re.compile(r"^error: (\w+): (.+)$", re.MULTILINE)
 
 @functools.cache
 def _python_path() -> str | None:
-    """None when slates_cli is installed; else a path mapping cli/ as the wheel does."""
+    """None when slates_cli is installed; else the repository root, which holds it."""
     if importlib.util.find_spec("slates_cli") is not None:
         return None
-    shim = Path(tempfile.mkdtemp(prefix="slates-cli-shim-"))
-    (shim / "slates_cli").symlink_to(REPO / "cli", target_is_directory=True)
-    return os.pathsep.join((str(shim), str(REPO)))
+    return str(REPO)
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:

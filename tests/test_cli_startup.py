@@ -2,7 +2,7 @@
 
 Theory of operation: the CLI imports click and its own command modules at
 start; rich, the SDK, msgpack, pygit2 and the core load inside the
-commands that use them (cli/main.py, cli/commands.py, cli/land.py), so
+commands that use them (slates_cli/main.py, slates_cli/commands.py, slates_cli/land.py), so
 `slates --help` and usage errors answer in the time Python and click take.
 Commands that talk to the service use the blocking SDK client, which runs
 the SDK's one implementation of each rule over plain sockets (slates.sdk.

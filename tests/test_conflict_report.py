@@ -16,7 +16,6 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from cli.conflicts import SHOWN_WIDTH, render_conflict
 from slates.errors import InvalidArgument
 from slates.merge import report
 from slates.merge.changes import Conflict, conflict_to_wire
@@ -30,6 +29,7 @@ from slates.merge.report import (
     region_to_wire,
     smallest_region,
 )
+from slates_cli.conflicts import SHOWN_WIDTH, render_conflict
 
 
 def _conflict(base: bytes, accepted: Replace, proposed: Replace) -> tuple[Conflict, bytes, bytes]:

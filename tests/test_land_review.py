@@ -17,12 +17,12 @@ import blake3
 import pytest
 from rich.console import Console
 
-from cli import land as cli_land
 from slates import Client
 from slates.errors import AccessDenied, InvalidArgument
 from slates.land.disk import Target
 from slates.land.manifest import Decision, Entry, State
 from slates.node.runtime import Runtime
+from slates_cli import land as cli_land
 from tests.anchor_fixture import Service, service
 from tests.test_cli_land import _approve_on_a_terminal
 from tests.test_mount import mounted

@@ -21,7 +21,7 @@ others must reach us there), and serf's RPC address is a loopback IP:port
 (serf's RPC is unauthenticated); `cert_dir` is an absolute path, or a
 relative one resolved against the config file's directory when loaded.
 
-Pure except `load_host_config`.  Callers: slates.fleet.link, cli/fleet.py,
+Pure except `load_host_config`.  Callers: slates.fleet.link, slates_cli/fleet.py,
 the anchor.
 """
 

@@ -34,7 +34,7 @@ those bytes must be, and every choice it makes from records, is here:
 - Listing.  `host_listing` joins etcd's host records, etcd's alive keys and
   serf's verdicts into the rows `slates fleet hosts` shows.
 
-Callers: slates.fleet.link, slates.fleet.link_forward, cli/fleet.py.
+Callers: slates.fleet.link, slates.fleet.link_forward, slates_cli/fleet.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Theory of operation.  This module owns the MCP face of Slates and nothing
 else: `build_server` makes an `mcp.server.mcpserver.MCPServer` (the
 official SDK's high-level server) whose tools are thin over the blocking
 SDK, `slates.Client`; `run_stdio` serves it on stdin/stdout until the
-client closes stdin.  `slates mcp [--runtime-dir DIR]` (cli/main.py) is its
+client closes stdin.  `slates mcp [--runtime-dir DIR]` (slates_cli/main.py) is its
 only caller in the product; tests/test_mcp.py drives it through the SDK's
 stdio client.  It never speaks the wire protocol itself.
 

@@ -53,7 +53,7 @@ for the bytes of a UTF-8 character they share, in text).
 
 Pure: bytes in, records out (libgit2's diff runs on buffers).  Called by
 slates.node.service when it turns a conflict into its wire form, and by
-the tests; cli/conflicts.py renders the wire form.
+the tests; slates_cli/conflicts.py renders the wire form.
 """
 
 from __future__ import annotations
