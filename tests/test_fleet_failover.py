@@ -36,13 +36,12 @@ import dataclasses
 import functools
 import json
 import os
-import subprocess
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 import pytest
@@ -52,66 +51,16 @@ import slates
 from slates.errors import EpochFenced, NotOwner, SlatesError
 from slates.fleet.link_client import call_link, link_socket
 from slates.fleet.link_rules import fleet_name
+from tests.testbed_bed import HOSTS, PYTHON, TestbedCalls, wait_for
 
-REPO = Path(__file__).resolve().parent.parent
-TESTBED = REPO / "deploy" / "testbed"
-PYTHON = REPO / ".venv" / "bin" / "python"
-HOSTS = ("h1", "h2", "h3")
-COMMAND_SECONDS = 180
-WAIT_SECONDS = 60.0
 FAILOVER_SECONDS = 30.0  # the bound
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = WAIT_SECONDS) -> T:
-    started = time.monotonic()
-    last: BaseException | None = None
-    while True:
-        try:
-            found = probe()
-        except SlatesError as exc:  # not yet: the probe's error is the reason
-            found, last = None, exc
-        if found is not None and found is not False:
-            print(f"{what}: {time.monotonic() - started:.1f} s")
-            return found
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"not within {timeout} s: {what} (last error: {last!r})")
-        time.sleep(0.25)
 
 
 @dataclasses.dataclass
-class Bed:
-    name: str
-    state_dir: Path
+class Bed(TestbedCalls):
     green: str = ""  # the fleet name of the green made on h1
     acknowledged: dict[str, bytes] = dataclasses.field(default_factory=dict)  # path -> bytes
     version: int = 0  # the highest version acknowledged at durability host
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            "SLATES_TESTBED_NAME": self.name,
-            "SLATES_TESTBED_DIR": str(self.state_dir),
-        }
-
-    def call(self, verb: str, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(TESTBED / verb), *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=COMMAND_SECONDS,
-            check=False,
-        )
-
-    def ok(self, verb: str, *args: str) -> str:
-        done = self.call(verb, *args)
-        assert done.returncode == 0, f"{verb} {args}: {done.returncode}\n{done.stdout}{done.stderr}"
-        return done.stdout
-
-    def runtime(self, host: str) -> Path:
-        return self.state_dir / host / "runtime"
 
     def link(self, host: str, message: dict[str, Any]) -> Any:
         return call_link(link_socket(self.runtime(host)), message, timeout=60)

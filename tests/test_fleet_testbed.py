@@ -35,9 +35,9 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 import pytest
@@ -46,26 +46,7 @@ import slates
 from slates.errors import Unavailable
 from slates.fleet.link_client import call_link, link_socket
 from slates.fleet.link_rules import fleet_name
-
-REPO = Path(__file__).resolve().parent.parent
-TESTBED = REPO / "deploy" / "testbed"
-PYTHON = REPO / ".venv" / "bin" / "python"
-HOSTS = ("h1", "h2", "h3")
-COMMAND_SECONDS = 180
-WAIT_SECONDS = 60.0
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = WAIT_SECONDS) -> T:
-    started = time.monotonic()
-    while True:
-        found = probe()
-        if found is not None and found is not False:
-            print(f"{what}: {time.monotonic() - started:.1f} s")
-            return found
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.25)
+from tests.testbed_bed import HOSTS, PYTHON, TESTBED, TestbedCalls, wait_for
 
 
 @functools.cache
@@ -82,37 +63,9 @@ def anchor_takes_fleet() -> bool:
 
 
 @dataclasses.dataclass
-class Bed:
-    name: str
-    state_dir: Path
+class Bed(TestbedCalls):
     links: dict[str, subprocess.Popen[bytes]] = dataclasses.field(default_factory=dict)
     green: str | None = None  # the fleet name of the green made on h1
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            "SLATES_TESTBED_NAME": self.name,
-            "SLATES_TESTBED_DIR": str(self.state_dir),
-        }
-
-    def call(self, verb: str, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(TESTBED / verb), *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=COMMAND_SECONDS,
-            check=False,
-        )
-
-    def ok(self, verb: str, *args: str) -> str:
-        done = self.call(verb, *args)
-        assert done.returncode == 0, f"{verb} {args}: {done.returncode}\n{done.stdout}{done.stderr}"
-        return done.stdout
-
-    def runtime(self, host: str) -> Path:
-        return self.state_dir / host / "runtime"
 
     def socket(self, host: str) -> Path:
         return link_socket(self.runtime(host))

@@ -294,22 +294,32 @@ def _file_op(root: Path, op: tuple[Any, ...]) -> object:
     raise AssertionError(f"unknown op {op!r}")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["write-through", "writeback"])
-def live_base_mount(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Client, str, Path, Path, bool]]:
-    top = tmp_path_factory.mktemp("cleandiff")
+@contextlib.contextmanager
+def live_mount(
+    top: Path, name: str, *, writeback: bool
+) -> Iterator[tuple[Client, str, Path, Path]]:
+    """A service of its own and a volume over an empty live base, mounted: (client,
+    volume id, base, mount); the tests add base files as they go."""
     base = top / "base"
     base.mkdir()
     running = start_service(top / "run")
     client = Client(running.runtime)
     try:
-        vid = client.create_volume("cleandiff", base=base)["id"]
-        with mounted(client, vid, top / "mnt", writeback=request.param) as mnt:
-            yield client, vid, base, mnt, request.param
+        vid = client.create_volume(name, base=base)["id"]
+        with mounted(client, vid, top / "mnt", writeback=writeback) as mnt:
+            yield client, vid, base, mnt
     finally:
         client.close()
         running.stop()
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["write-through", "writeback"])
+def live_base_mount(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Client, str, Path, Path, bool]]:
+    top = tmp_path_factory.mktemp("cleandiff")
+    with live_mount(top, "cleandiff", writeback=request.param) as (client, vid, base, mnt):
+        yield client, vid, base, mnt, request.param
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

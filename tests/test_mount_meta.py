@@ -16,7 +16,6 @@ import os
 import random
 import shutil
 import stat
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,9 +32,9 @@ from slates.core import ROOT_INO, Host, Volume
 from slates.core.volume import base_ino
 from slates.errors import SlatesError
 from slates.fuse.bridge import read_counters
-from slates.node.anchor import is_mounted
 from slates.node.fsops import run_fs_op
-from tests.anchor_fixture import Service, service, start_service
+from tests.anchor_fixture import Service, service
+from tests.test_mount_clean_reads import MODES, live_mount, mounted
 
 __all__ = ["service"]
 
@@ -43,21 +42,6 @@ pytestmark = pytest.mark.skipif(
     not os.path.exists("/dev/fuse") or os.geteuid() != 0,
     reason="FUSE mounts need /dev/fuse and root (CI has both)",
 )
-
-MODES = pytest.mark.parametrize("writeback", [False, True], ids=["write-through", "writeback"])
-
-
-@contextlib.contextmanager
-def mounted(client: Client, volume: str, where: Path, *, writeback: bool) -> Iterator[Path]:
-    where.mkdir(parents=True, exist_ok=True)
-    client.mount(volume, where, writeback=writeback)
-    try:
-        yield where
-    finally:
-        with contextlib.suppress(Exception):
-            client.unmount(where)
-        if is_mounted(str(where)):
-            subprocess.run(["fusermount3", "-u", "-z", str(where)], check=False)
 
 
 def counters(runtime: Path, volume: str) -> dict[str, int]:
@@ -281,17 +265,8 @@ def live_tree_mount(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Client, str, Path, Path, bool, Path]]:
     top = tmp_path_factory.mktemp("metadiff")
-    base = top / "base"
-    base.mkdir()
-    running = start_service(top / "run")
-    client = Client(running.runtime)
-    try:
-        vid = client.create_volume("metadiff", base=base)["id"]
-        with mounted(client, vid, top / "mnt", writeback=request.param) as mnt:
-            yield client, vid, base, mnt, request.param, running.runtime
-    finally:
-        client.close()
-        running.stop()
+    with live_mount(top, "metadiff", writeback=request.param) as (client, vid, base, mnt):
+        yield client, vid, base, mnt, request.param, top / "run"
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

@@ -221,6 +221,10 @@ class ShardService(ShardState):
             return self._done(job.client, job.principal, job.request, error=exc)
         return job
 
+    def on_internal_error(self, client: str, request: Request, error: Exception) -> None:
+        """A request failed with an exception that is no SlatesError (a bug): the
+        driver may log it (slates.node.shard does, with the traceback)."""
+
     def _done(
         self,
         client: str,
@@ -238,6 +242,7 @@ class ShardService(ShardState):
         elif isinstance(error, SlatesError):
             reply = error_reply(request.seq, error)
         else:  # a bug: answer it, and keep memory and journal in step
+            self.on_internal_error(client, request, error)
             failure = VerificationFailed(
                 "internal error", op=request.op, reason=f"{type(error).__name__}: {error}"
             )

@@ -156,19 +156,9 @@ class LoggedService(ShardService):
     """The service as the driver runs it: a bug (an exception that is no SlatesError,
     answered as VerificationFailed "internal error") leaves its traceback in the log."""
 
-    def _done(
-        self,
-        client: str,
-        principal: Principal,
-        request: Request,
-        *,
-        result: Any = None,
-        error: Exception | None = None,
-    ) -> dict[str, Any]:
-        if error is not None and not isinstance(error, SlatesError):
-            trace = "".join(traceback.format_exception(error)).rstrip()
-            _log(f"internal error in {request.op} (client {client}, seq {request.seq}):\n{trace}")
-        return super()._done(client, principal, request, result=result, error=error)
+    def on_internal_error(self, client: str, request: Request, error: Exception) -> None:
+        trace = "".join(traceback.format_exception(error)).rstrip()
+        _log(f"internal error in {request.op} (client {client}, seq {request.seq}):\n{trace}")
 
 
 class Shard:
