@@ -271,6 +271,38 @@ char *meta_child_path(uint64_t dir, const char *name)
     return path;
 }
 
+/* Under g_meta_lock: the entry of base entry `node` (a child of `parent`, `st` as
+ * the base shows it at `*path`), holding one more kernel reference; made if the
+ * bridge does not know the node yet, in which case it takes `*path` (set to NULL).
+ * NULL when the shard must answer: it knows the node otherwise, or the base entry
+ * changed since the bridge saw it. */
+static struct meta_node *take_ref(uint64_t node, uint64_t parent, char **path,
+                                  const struct stat *st)
+{
+    struct meta_node *e = node_get(node);
+    if (e != NULL && (!(e->flags & META_LOCAL) || e->seen.st_mode != st->st_mode ||
+                      e->seen.st_size != st->st_size ||
+                      ts_ns(&e->seen.st_mtim) != ts_ns(&st->st_mtim)))
+        return NULL;
+    if (e == NULL) {
+        e = calloc(1, sizeof *e);
+        if (e == NULL || map_put(&g_meta.nodes, node, e) != 0) {
+            free(e);
+            return NULL;
+        }
+        e->node = node;
+        e->parent = parent;
+        e->path = *path;
+        e->name = last_name(*path);
+        e->seen = *st;
+        e->flags = META_LOCAL | (S_ISDIR(st->st_mode) ? META_CLEAN_DIR : 0);
+        *path = NULL;
+    }
+    e->kernel_refs++;
+    e->local_refs++;
+    return e;
+}
+
 int meta_lookup(fuse_req_t req, uint64_t parent, const char *name)
 {
     if (!base_ready())
@@ -313,27 +345,9 @@ int meta_lookup(fuse_req_t req, uint64_t parent, const char *name)
     }
     if (tainted(node))
         goto out;
-    struct meta_node *e = node_get(node);
-    if (e != NULL && (!(e->flags & META_LOCAL) || e->seen.st_mode != st.st_mode ||
-                      e->seen.st_size != st.st_size ||
-                      ts_ns(&e->seen.st_mtim) != ts_ns(&st.st_mtim)))
+    struct meta_node *e = take_ref(node, parent, &path, &st);
+    if (e == NULL)
         goto out; /* known otherwise, or changed since: the shard decides */
-    if (e == NULL) {
-        e = calloc(1, sizeof *e);
-        if (e == NULL || map_put(&g_meta.nodes, node, e) != 0) {
-            free(e);
-            goto out;
-        }
-        e->node = node;
-        e->parent = parent;
-        e->path = path;
-        e->name = last_name(path);
-        e->seen = st;
-        e->flags = META_LOCAL | (S_ISDIR(st.st_mode) ? META_CLEAN_DIR : 0);
-        path = NULL;
-    }
-    e->kernel_refs++;
-    e->local_refs++;
     struct fuse_entry_param ep;
     memset(&ep, 0, sizeof ep);
     ep.ino = node;
@@ -386,29 +400,11 @@ int meta_dirent(uint64_t dir, const char *name, uint64_t epoch, struct fuse_entr
     uint64_t node = rc == 0 ? derived_node(&st) : 0;
     int answered = 0;
     pthread_mutex_lock(&g_meta_lock);
-    struct meta_node *e = node_get(node);
     if (node == 0 || g_meta.epoch != epoch || tainted(node))
         goto out;
-    if (e != NULL && (!(e->flags & META_LOCAL) || e->seen.st_mode != st.st_mode ||
-                      e->seen.st_size != st.st_size ||
-                      ts_ns(&e->seen.st_mtim) != ts_ns(&st.st_mtim)))
+    struct meta_node *e = take_ref(node, dir, &path, &st);
+    if (e == NULL)
         goto out;
-    if (e == NULL) {
-        e = calloc(1, sizeof *e);
-        if (e == NULL || map_put(&g_meta.nodes, node, e) != 0) {
-            free(e);
-            goto out;
-        }
-        e->node = node;
-        e->parent = dir;
-        e->path = path;
-        e->name = last_name(path);
-        e->seen = st;
-        e->flags = META_LOCAL | (S_ISDIR(st.st_mode) ? META_CLEAN_DIR : 0);
-        path = NULL;
-    }
-    e->kernel_refs++;
-    e->local_refs++;
     memset(out, 0, sizeof *out);
     out->ino = node;
     attr_of_base(&st, &out->attr);
