@@ -383,12 +383,7 @@ int meta_listable(uint64_t dir, uint64_t *epoch)
 int meta_dirent(uint64_t dir, const char *name, uint64_t epoch, struct fuse_entry_param *out)
 {
     uint64_t absent_ep = absent_epoch(), clean_ep = clean_epoch();
-    char *path = NULL;
-    pthread_mutex_lock(&g_meta_lock);
-    struct meta_node *pe = node_get(dir);
-    if (pe != NULL && pe->path != NULL)
-        path = join(pe->path, name);
-    pthread_mutex_unlock(&g_meta_lock);
+    char *path = meta_child_path(dir, name);
     if (path == NULL)
         return 0;
     struct stat st;

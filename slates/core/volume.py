@@ -362,21 +362,8 @@ def held(volumes: Iterable[Volume], snapshot_roots: Iterable[Root]) -> Held:
 
 
 def chunk_ids(*roots: Root) -> Iterator[bytes]:
-    """Every chunk the roots refer to (for the host's garbage collection).
-
-    Roots that share inodes (a volume, its snapshots and their clones) are
-    walked once per distinct inode object, not once per root.
-    """
-    seen: set[int] = set()
-    for root in roots:
-        for inode in root.inodes.values():
-            if id(inode) in seen:
-                continue
-            seen.add(id(inode))
-            if isinstance(inode.body, FileBody):
-                for extent in inode.body.extents:
-                    if isinstance(extent, ChunkSpan):
-                        yield extent.chunk_id
+    """Every chunk the roots refer to, each distinct inode object walked once (`held`)."""
+    yield from held((), roots).chunk_ids
 
 
 _EMPTY_ENTRIES: immutables.Map[str, Entry] = immutables.Map()

@@ -173,17 +173,17 @@ class Checkpoints:
             raise VerificationFailed("the checkpoint fails its checksum")
         return generation, blob
 
-    def write(self, generation: int, blob: bytes | Iterable[bytes | bytearray]) -> None:
-        """Write a checkpoint into the inactive slot and publish it.  `blob` may come in
-        pieces (ShardState.checkpoint_pieces), each copied in as it comes, so the
-        whole never has to exist in the heap.  One that does not fit raises
+    def write(self, generation: int, pieces: Iterable[bytes | bytearray]) -> None:
+        """Write a checkpoint into the inactive slot and publish it.  It comes in pieces
+        (ShardState.checkpoint_pieces), each copied in as it comes, so the whole
+        never has to exist in the heap.  One that does not fit raises
         CapacityExhausted, and the published checkpoint stays as it was."""
         active = self._active()
         slot = 0 if active != 0 else 1
         start = self._slot_offset(slot)
         mm = self.segment.map
         length = crc = 0
-        for piece in [blob] if isinstance(blob, bytes) else blob:
+        for piece in pieces:
             if length + len(piece) > self.slot_size:
                 self.segment.release(start, start + self.slot_size)
                 raise CapacityExhausted(

@@ -435,8 +435,9 @@ class AsyncClient:
         for key, value in (("bounded", bounded), ("dynamic", dynamic)):
             if _size(value, key) is not None:
                 args[key] = value
-        await self._check_name_free(name, self._home(name))
-        result = await self.call(self._home(name), "green.create", **args)
+        home = self._home(name)
+        await self._check_name_free(name, home)
+        result = await self.call(home, "green.create", **args)
         return str(result["id"])
 
     async def create_work(
