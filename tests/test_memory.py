@@ -19,7 +19,8 @@ from slates import Client
 from slates.core.volume import INODE_COST
 from slates.errors import CapacityExhausted, InvalidArgument, NotFound
 from slates.node.arena import ArenaChunks
-from slates.node.journal import Checkpoints, Segment, create_segment
+from slates.node.checkpoints import Checkpoints
+from slates.node.journal import Segment, create_segment
 from slates.node.memory import (
     JOURNAL_BYTES,
     PAGE,

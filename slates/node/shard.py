@@ -70,9 +70,10 @@ from slates.errors import (
     SlatesError,
 )
 from slates.node.arena import ArenaChunks
+from slates.node.checkpoints import Checkpoints
 from slates.node.events import Event, from_wire, to_wire
 from slates.node.jobs import Io, Job, Outcome, Sent, Thrown
-from slates.node.journal import Checkpoints, Journal, Segment
+from slates.node.journal import Journal, Segment
 from slates.node.memory import segment_bytes, shard_memory, trim_heap
 from slates.node.pool import HostPool
 from slates.node.principals import Agents, Principal, authorize
