@@ -18,7 +18,8 @@ workload, and the figure is the median over --rounds fresh workspaces.
 
 Workloads, in this order, in each workspace: creating it; stat and read of
 every tracked file (the first pass after creating it, then warm); reading
-the 64 MiB file; git status (the first one, which refreshes the copied
+the 64 MiB file; writing a new 64 MiB file (1 MiB writes of seeded random
+bytes, then fsync; removed after each round); git status (the first one, which refreshes the copied
 index; cold, after dropping the page cache, dentries and inodes; warm);
 recursive grep (cold and warm); creating, then deleting, 2,000 small files;
 a 2-byte edit in the middle of the 64 MiB file (time, and the bytes the
@@ -45,6 +46,7 @@ bench/run_all.py runs this and the scaling benchmarks together.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import random
@@ -108,6 +110,12 @@ PY_TESTS_PER_MODULE = 6  # each parametrized over 1 value + 5 more below
 _PRINTABLE = (string.ascii_letters + string.digits + " " * 12 + "\n" * 2 + "(){};=+-*/,.").encode()
 _TEXT = bytes(_PRINTABLE[b % len(_PRINTABLE)] for b in range(256))
 _EXTENSIONS = (".c", ".h", ".py", ".md", ".txt")
+
+
+@functools.cache
+def new_file_payload() -> bytes:
+    """The bytes of the new 64 MiB file: seeded, so every run writes the same."""
+    return random.Random(64).randbytes(BIG_SIZE)
 
 
 @dataclass
@@ -542,6 +550,7 @@ class Runner:
         big = os.path.join(self.ws, tree.big)
         self.small = [p for p in self.paths if p != big]
         self.big = big
+        self.write_payload = new_file_payload()
 
     def requests(self) -> Counter[str]:
         runtime = getattr(self.p, "runtime", None)
@@ -594,6 +603,24 @@ class Runner:
                 total += len(chunk)
         if total != BIG_SIZE:
             raise Failed(f"{self.p.name}: read {total} bytes of the 64 MiB file")
+
+    def write_new_big(self) -> None:
+        """Write a new 64 MiB file (1 MiB writes), fsync it, check its size, remove it."""
+        name = os.path.join(self.ws, "slates-bench-new.bin")
+        payload = self.write_payload
+        with open(name, "xb", buffering=0) as f:
+            for at in range(0, BIG_SIZE, 1 << 20):
+                f.write(payload[at : at + (1 << 20)])
+            os.fsync(f.fileno())
+        if os.stat(name).st_size != BIG_SIZE:
+            raise Failed(f"{self.p.name}: the new 64 MiB file has the wrong size")
+
+    def timed_write_new_big(self) -> float:
+        name = os.path.join(self.ws, "slates-bench-new.bin")
+        try:
+            return timed(self.write_new_big)
+        finally:
+            os.unlink(name)
 
     def git_status(self) -> None:
         out = run(["git", "status", "--porcelain"], self.p.path, self.p.env)
@@ -708,6 +735,11 @@ class Runner:
         self.record("read every file, first pass", "s", lambda: timed(self.read_all))
         self.repeat("read every file, warm", self.read_all)
         self.repeat("read the 64 MiB file", self.read_big)
+        self.record(
+            "write a new 64 MiB file (fsync)",
+            "s",
+            lambda: median([self.timed_write_new_big() for _ in range(self.rounds)]),
+        )
         self.record("git status, first (index refresh)", "s", lambda: timed(self.git_status))
         self.repeat("git status, cold", self.git_status, cold=True)
         self.repeat("git status, warm", self.git_status)
