@@ -10,8 +10,9 @@ Providers, each made from the same source directory (a git repository):
 
 Two suites (--suite; default both).  "first touch": each of these on a
 workspace just created, so nothing of it is cached anywhere yet (the base
-directory's own pages stay warm): create + mount; the first git status
-(which refreshes the copied index); the first recursive grep; the first
+directory's own pages stay warm): create + mount (for Slates the two CLI
+calls a user makes, `slates volume create` and `slates mount`); the first
+git status (which refreshes the copied index); the first recursive grep; the first
 `find` that stats every entry; each workspace is removed after its one
 workload, and the figure is the median over --rounds fresh workspaces.
 "full": the workloads below, in this order, in one workspace.
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import json
 import os
 import random
 import shutil
@@ -323,6 +325,9 @@ class Provider:
     def prepare(self) -> None:
         """Whatever is set up once, outside the creation time (tmpfs, anchor)."""
 
+    def before_create(self) -> None:
+        """The benchmark's own bookkeeping before each creation, outside its time."""
+
     def create(self) -> None:
         raise NotImplementedError
 
@@ -435,6 +440,7 @@ class SlatesProvider(Provider):
         self.shard = 0
         self.bridge_pid = 0
         self.baseline = 0
+        self.before: dict[int, int] = {}
         self.shard_pid = 0
         self.rss_before = 0
 
@@ -442,18 +448,28 @@ class SlatesProvider(Provider):
         shard: dict[str, Any] = self.client.status()["shards"][self.shard]
         return shard
 
-    def create(self) -> None:
-        # Nothing of the volume exists yet: which shard will own it is known only after.
+    def before_create(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        before = {s["shard"]: s["host_physical_bytes"] for s in self.client.status()["shards"]}
-        volume = self.client.create_volume("bench-workspace", base=self.tree.root)
+        self.before = {s["shard"]: s["host_physical_bytes"] for s in self.client.status()["shards"]}
+
+    def cli(self, *args: str | Path) -> dict[str, Any]:
+        """One `slates` command, as a user types it; its --json answer."""
+        slates = Path(sys.executable).parent / "slates"
+        where = ("--runtime-dir", str(self.runtime), "--json")
+        answer: dict[str, Any] = json.loads(run([slates, *args, *where], self.top, self.env))
+        return answer
+
+    def create(self) -> None:
+        # Two CLI calls, start-up included.  Nothing of the volume exists yet: which
+        # shard will own it is known only after.
+        volume = self.cli("volume", "create", "bench-workspace", "--base", self.tree.root)
         self.volume = str(volume["id"])
         self.cleanup.push(self._undo_volume)
-        mounted = self.client.mount(self.volume, self.path)
+        mounted = self.cli("mount", self.volume, self.path)
         self.bridge_pid = int(mounted["pid"])
         self.cleanup.push(self._undo_mount)
         self.shard = shard_of(self.volume)
-        self.baseline = before[self.shard]
+        self.baseline = self.before[self.shard]
 
     def _undo_volume(self) -> None:
         if self.volume in {v["id"] for v in self.client.list_volumes()}:
@@ -657,6 +673,7 @@ class Runner:
             cpu: dict[str, list[float]] = {}
             requests: Counter[str] = Counter()
             for _ in range(self.rounds):
+                p.before_create()
                 before = self.requests()
                 creates.append(timed(p.create))
                 create_requests += self.requests() - before
@@ -726,6 +743,7 @@ class Runner:
     def all(self) -> None:
         p, log = self.p, self.log
         p.prepare()
+        p.before_create()
         self.record("create workspace", "s", lambda: timed(p.create))
         if isinstance(p, SlatesProvider):
             p.after_create()
