@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -327,6 +326,8 @@ def _confirm_on_terminal(manifest: str, target: str, conflicts: int = 0, special
 
 
 def _credential(runtime_dir: str | None, path: str | None) -> bytes:
+    from pathlib import Path  # here: --help needs no pathlib (nor its urllib and ipaddress)
+
     from slates.node.runtime import Runtime
 
     location = Path(path) if path else Runtime(runtime_dir).approver_key_file

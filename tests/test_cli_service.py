@@ -210,6 +210,38 @@ def test_conflicting_options_change_nothing(service: Service, base_dir: Path) ->
     assert volumes_of(service) == []
 
 
+def test_create_with_mount_serves_or_changes_nothing(
+    service: Service, base_dir: Path, tmp_path: Path
+) -> None:
+    rt = ("--runtime-dir", service.runtime)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "file").write_bytes(b"")
+    # A mount the anchor refuses (a directory that is not empty, or none) deletes the
+    # volume the same command created: nothing is left, whatever the error.
+    failed(
+        slates("volume", "create", "bad", "--base", base_dir, "--mount", busy, *rt),
+        "InvalidArgument",
+    )
+    failed(
+        slates("volume", "create", "bad", "--mount", tmp_path / "absent", "--json", *rt), "NotFound"
+    )
+    assert volumes_of(service) == []
+
+    # For people: the new volume's table, then where it is mounted.
+    where = tmp_path / "work"
+    where.mkdir()
+    human = ok("volume", "create", "work", "--base", base_dir, "--mount", where, *rt).decode()
+    try:
+        (made,) = volumes_of(service)
+        assert f"Created volume {made['id']}" in human
+        assert f"{made['id']} mounted at {where.resolve()} (bridge pid " in human
+        assert (where / "src" / "main.c").read_bytes() == (base_dir / "src" / "main.c").read_bytes()
+    finally:
+        ok("unmount", where, *rt)
+    assert ok_json("volume", "list", *rt)[0]["mounted_at"] is None
+
+
 def test_unknown_and_ambiguous_volumes(service: Service) -> None:
     rt = ("--runtime-dir", service.runtime)
     for args in (

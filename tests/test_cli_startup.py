@@ -9,9 +9,27 @@ the SDK's one implementation of each rule over plain sockets (slates.sdk.
 blocking): trio, the ring extension and the shard's own modules never load
 for them.  Each check runs the CLI in a fresh interpreter (a module, once
 imported, stays imported) with the command's real arguments, exit code and
-output, and asks that interpreter which heavy modules it loaded.  The
-probe is not blind: each check also names a module the command must have
-loaded.  No timing is asserted: hyperfine measures it (bench/RESULTS.md).
+output, and asks that interpreter which modules it loaded and which
+sockets it connected to (an audit hook on `socket.connect`).  The probe is
+not blind: each check also names a module the command must have loaded,
+and the sockets are checked exactly.  No timing is asserted: hyperfine
+measures it (bench/RESULTS.md).
+
+What is checked, per hot command (issue 14: create + mount from the CLI):
+- `--help`, a subcommand's help and a usage error load no slates module
+  but slates.errors, and none of rich, msgpack, the SDK, pathlib, socket
+  or json;
+- a request loads of the service's side (slates.node) only the wire
+  (protocol) and the runtime directory's state file (runtime): never the
+  anchor (a size parser lives there), the core, the merge engine, trio;
+  rich only for tables;
+- round trips: each command connects to the sockets it needs, each once.
+  `mount VOLUME_ID` and `unmount` talk to the anchor only; a volume named
+  by name is looked up on every shard once; `volume list` and `status`
+  ask every shard once and the anchor never (mounts come from its state
+  file); `volume create` asks every shard once (the name check, then the
+  create on its home shard over the same connection), and with `--mount`
+  the anchor once more, in the same process.
 
 The mount flags (issue 12) are checked on real mounts: `--allow-other`
 reaches the kernel's mount options, and mount and unmount carry the
@@ -24,11 +42,13 @@ and the blocking client with rings on a real service.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import types
+from collections import Counter
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -37,74 +57,98 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from slates.core.host import UNLIMITED
 from slates.errors import NotFound, SlatesError, VerificationFailed
 from slates.node.anchor import spawn_anchor, stop_process
 from slates.node.protocol import error_reply, ok_reply, pack, unpack
 from slates.sdk import Client
 from slates.sdk.client import _run_to_end
 from slates.sdk.session import RECONNECT_SECONDS, RETRY_MOST, Reconnect, ShardSession
+from slates_cli import commands
 from tests.anchor_fixture import Service, service
 
 __all__ = ["service"]  # the fixture, re-exported for pytest
 
 SLATES = str(Path(sys.executable).with_name("slates"))
 
-NEVER_FOR_HELP = (
-    "trio",
-    "rich",
-    "msgpack",
-    "pygit2",
-    "blake3",
-    "slates.sdk",
-    "slates.core",
-    "slates.node.runtime",
-    "slates.node.service",
-    "slates.node.ring",
-    "slates.base",
-)
+HEAVY = ("trio", "rich", "msgpack", "pygit2", "blake3")
+"""Third-party modules that only some commands need."""
+NEVER_FOR_HELP = (*HEAVY, "pathlib", "socket", "json")
+"""Besides HEAVY, what only talking to the service or printing data needs."""
+SLATES_FOR_HELP = frozenset({"slates", "slates.errors"})
+"""The only slates modules help and usage errors load (the CLI's own modules aside)."""
+NODE_FOR_A_REQUEST = frozenset({"slates.node", "slates.node.protocol", "slates.node.runtime"})
+"""The service-side modules a request may load: the wire and the state file, nothing else."""
 NEVER_FOR_A_REQUEST = (
     "trio",
     "pygit2",
     "slates.core",
     "slates.base",
     "slates.merge",
-    "slates.node.service",
-    "slates.node.ring",
+    "slates.land",
+    "slates.fleet",
+    "slates.fuse",
+    "slates.mcp",
     "slates._native",
     "slates.sdk.connection",
 )
-WATCHED = sorted({*NEVER_FOR_HELP, *NEVER_FOR_A_REQUEST, "slates.sdk.blocking"})
+"""Packages (and modules) no request of the hot commands loads anything of."""
 
 _PROBE = """
 import sys
+connected = []
+def _audit(event, args):
+    if event == "socket.connect":
+        connected.append(str(args[1]))
+sys.addaudithook(_audit)
 from slates_cli.main import main
 code = 0
 try:
     main(args=sys.argv[1:], prog_name="slates")
 except SystemExit as done:
     code = done.code
-loaded = [name for name in {watched!r} if name in sys.modules]
+loaded = sorted(sys.modules)
+import json
 with open({report!r}, "w") as report:
-    report.write("\\n".join(loaded))
+    json.dump({{"loaded": loaded, "connected": connected}}, report)
 sys.exit(code)
 """
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Probe:
+    """What one `slates` run loaded (module names) and connected to (socket file names)."""
+
+    loaded: frozenset[str]
+    connected: tuple[str, ...]
+
+    def of(self, package: str) -> set[str]:
+        """The loaded modules that are `package` or inside it."""
+        return {m for m in self.loaded if m == package or m.startswith(package + ".")}
+
+    def any_of(self, packages: tuple[str, ...]) -> set[str]:
+        return {m for package in packages for m in self.of(package)}
+
+    def connections(self) -> Counter[str]:
+        return Counter(self.connected)
+
+
 def _run(
     tmp_path: Path, *args: str, token: str | None = None
-) -> tuple[subprocess.CompletedProcess[str], set[str]]:
-    """Run `slates ARGS` in a fresh interpreter: the result, and the watched modules loaded."""
-    report = tmp_path / "loaded.txt"
+) -> tuple[subprocess.CompletedProcess[str], Probe]:
+    """Run `slates ARGS` in a fresh interpreter: the result, and what it loaded and reached."""
+    report = tmp_path / "probe.json"
     env = {k: v for k, v in os.environ.items() if k != "SLATES_TOKEN"}
+    env["COLUMNS"] = "200"  # tables wide enough that ids are not folded
     if token is not None:
         env["SLATES_TOKEN"] = token
-    probe = _PROBE.format(watched=WATCHED, report=str(report))
+    probe = _PROBE.format(report=str(report))
     done = subprocess.run(
         [sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env, timeout=60
     )
-    loaded = set(report.read_text().split())
+    seen = json.loads(report.read_text())
     report.unlink()
-    return done, loaded
+    return done, Probe(frozenset(seen["loaded"]), tuple(Path(a).name for a in seen["connected"]))
 
 
 def _ok(done: subprocess.CompletedProcess[str]) -> Any:
@@ -122,72 +166,162 @@ def _mount_options(directory: Path) -> set[str]:
     raise AssertionError(f"nothing is mounted at {directory}")
 
 
+def _check_help(probe: Probe) -> None:
+    assert probe.of("slates") <= SLATES_FOR_HELP, sorted(probe.of("slates"))
+    assert not probe.any_of(NEVER_FOR_HELP), sorted(probe.any_of(NEVER_FOR_HELP))
+    assert "click" in probe.loaded and "slates_cli.commands" in probe.loaded
+    assert probe.connected == ()
+
+
+def _check_request(probe: Probe, *, tables: bool) -> None:
+    """A request's modules: the blocking SDK, the wire and the state file; rich iff tables."""
+    assert "slates.sdk.blocking" in probe.loaded and "msgpack" in probe.loaded
+    assert probe.of("slates.node") <= NODE_FOR_A_REQUEST, sorted(probe.of("slates.node"))
+    assert not probe.any_of(NEVER_FOR_A_REQUEST), sorted(probe.any_of(NEVER_FOR_A_REQUEST))
+    assert ("rich" in probe.loaded) == tables, sorted(probe.of("rich"))
+
+
 @pytest.mark.parametrize(
     "args",
     [
         ("--help",),
         ("status", "--help"),
+        ("volume", "--help"),
         ("volume", "create", "--help"),
         ("mount", "--help"),
         ("anchor", "--help"),
         ("land", "--help"),
         ("submit", "--help"),
+        ("green", "create", "--help"),
         ("volume", "create"),  # a usage error (no NAME): exit 2, nothing loaded
     ],
 )
 def test_help_and_usage_errors_load_no_heavy_module(tmp_path: Path, args: tuple[str, ...]) -> None:
-    done, loaded = _run(tmp_path, *args)
+    done, probe = _run(tmp_path, *args)
     assert done.returncode == (2 if args == ("volume", "create") else 0), done.stderr
-    assert loaded.isdisjoint(NEVER_FOR_HELP), sorted(loaded)
+    _check_help(probe)
     if args == ("--help",):
         assert "volume" in done.stdout and "mount" in done.stdout
 
 
 def test_the_probe_sees_what_a_command_loads(tmp_path: Path) -> None:
     # The demo needs no service and runs the core: the probe reports it.
-    done, loaded = _run(tmp_path, "demo", "--json")
+    done, probe = _run(tmp_path, "demo", "--json")
     assert done.returncode == 0, done.stderr
-    assert "slates.core" in loaded
+    assert "slates.core" in probe.loaded
+    with pytest.raises(AssertionError):
+        _check_help(probe)
+
+
+def test_the_cli_restates_the_cores_unlimited() -> None:
+    # format_quota compares with its own copy (importing slates.core for it cost ~40 ms).
+    assert commands.UNLIMITED == UNLIMITED
+    assert commands.format_quota({"bounded": False, "limit": UNLIMITED}) == "dynamic"
+    assert commands.format_quota({"bounded": False, "limit": 1 << 30}) == "dynamic, max 1.00 GiB"
 
 
 def test_requests_run_without_trio_and_still_work(service: Service, tmp_path: Path) -> None:
     runtime = ("--runtime-dir", str(service.runtime))
-    done, loaded = _run(tmp_path, "status", "--json", *runtime)
+    every_shard = Counter({"shard-0.sock": 1, "shard-1.sock": 1})
+    anchor = Counter({"anchor.sock": 1})
+
+    done, probe = _run(tmp_path, "status", "--json", *runtime)
     report = _ok(done)
     assert [shard["shard"] for shard in report["shards"]] == [0, 1]
-    assert loaded.isdisjoint((*NEVER_FOR_A_REQUEST, "rich", "blake3")), sorted(loaded)
-    assert "slates.sdk.blocking" in loaded
+    _check_request(probe, tables=False)
+    assert "blake3" not in probe.loaded
+    assert probe.connections() == every_shard
 
-    done, loaded = _run(tmp_path, "volume", "create", "quick", "--json", *runtime)
+    done, probe = _run(tmp_path, "volume", "create", "quick", "--json", *runtime)
     created = _ok(done)
     assert created["name"] == "quick"
-    assert loaded.isdisjoint((*NEVER_FOR_A_REQUEST, "rich")), sorted(loaded)
-    assert "blake3" in loaded  # a new volume's shard is its name's hash
+    _check_request(probe, tables=False)
+    assert "blake3" in probe.loaded  # a new volume's shard is its name's hash
+    assert probe.connections() == every_shard  # the name check, then the create
 
+    # The product's form: mount by the id create printed; the anchor alone is asked.
     directory = tmp_path / "mnt"
     directory.mkdir()
-    done, loaded = _run(tmp_path, "mount", "quick", str(directory), "--json", *runtime)
+    done, probe = _run(tmp_path, "mount", created["id"], str(directory), "--json", *runtime)
     mounted = _ok(done)
     try:
         assert mounted["volume"] == created["id"]
-        assert loaded.isdisjoint((*NEVER_FOR_A_REQUEST, "rich")), sorted(loaded)
+        _check_request(probe, tables=False)
+        assert probe.connections() == anchor
         (directory / "hello").write_bytes(b"through the mount")
-        done, loaded = _run(tmp_path, "volume", "list", "--json", *runtime)
+        done, probe = _run(tmp_path, "volume", "list", "--json", *runtime)
         listed = _ok(done)
         assert [(v["name"], v["mounted_at"]) for v in listed] == [("quick", str(directory))]
-        assert loaded.isdisjoint((*NEVER_FOR_A_REQUEST, "rich", "blake3")), sorted(loaded)
+        _check_request(probe, tables=False)
+        assert "blake3" not in probe.loaded
+        assert probe.connections() == every_shard  # mounts: the anchor's state file
     finally:
-        done, loaded = _run(tmp_path, "unmount", str(directory), *runtime)
+        done, probe = _run(tmp_path, "unmount", str(directory), *runtime)
     _ok(done)
-    assert loaded.isdisjoint((*NEVER_FOR_A_REQUEST, "rich")), sorted(loaded)
+    _check_request(probe, tables=False)
+    assert probe.connections() == anchor
+
+    # By name, the volume is looked up on every shard once, then the anchor mounts it.
+    done, probe = _run(tmp_path, "mount", "quick", str(directory), *runtime)
+    try:
+        _ok(done)
+        assert created["id"] in done.stdout and str(directory) in done.stdout
+        _check_request(probe, tables=False)
+        assert probe.connections() == every_shard + anchor
+    finally:
+        done, _ = _run(tmp_path, "unmount", str(directory), *runtime)
+    _ok(done)
     done, _ = _run(tmp_path, "read", "quick", "/hello", *runtime)
     assert _ok(done) is None and done.stdout == "through the mount"
 
-    # Tables for people load rich, and still no trio.
-    done, loaded = _run(tmp_path, "status", *runtime)
+    # Tables for people load rich, and still no trio, no core (the quota), no anchor.
+    done, probe = _run(tmp_path, "status", *runtime)
     _ok(done)
     assert "Shards" in done.stdout and created["id"] in done.stdout
-    assert "rich" in loaded and loaded.isdisjoint(NEVER_FOR_A_REQUEST), sorted(loaded)
+    _check_request(probe, tables=True)
+    assert probe.connections() == every_shard
+    done, probe = _run(tmp_path, "volume", "list", *runtime)
+    _ok(done)
+    assert created["id"] in done.stdout and "dynamic" in done.stdout
+    _check_request(probe, tables=True)
+    assert probe.connections() == every_shard
+    base = tmp_path / "project"
+    base.mkdir()
+    done, probe = _run(tmp_path, "volume", "create", "table", "--base", str(base), *runtime)
+    _ok(done)
+    assert "Created volume" in done.stdout and "dynamic" in done.stdout
+    _check_request(probe, tables=True)
+    assert probe.connections() == every_shard
+
+
+def test_create_and_mount_in_one_command(service: Service, tmp_path: Path) -> None:
+    runtime = ("--runtime-dir", str(service.runtime))
+    base = tmp_path / "project"
+    base.mkdir()
+    (base / "a.txt").write_bytes(b"from the base\n")
+    directory = tmp_path / "mnt"
+    directory.mkdir()
+    done, probe = _run(
+        tmp_path, "volume", "create", "both", "--base", str(base), "--mount", str(directory),
+        "--json", *runtime,
+    )  # fmt: skip
+    created = _ok(done)
+    try:
+        assert created["name"] == "both" and created["base"] == str(base)
+        assert created["mount"]["volume"] == created["id"]
+        assert created["mount"]["directory"] == str(directory)
+        assert (directory / "a.txt").read_bytes() == b"from the base\n"
+        _check_request(probe, tables=False)
+        assert probe.connections() == Counter(
+            {"shard-0.sock": 1, "shard-1.sock": 1, "anchor.sock": 1}
+        )
+        with Client(service.runtime) as client:
+            assert [(m["volume"], m["directory"]) for m in client.mounts()] == [
+                (created["id"], str(directory))
+            ]
+    finally:
+        done, _ = _run(tmp_path, "unmount", str(directory), *runtime)
+    _ok(done)
 
 
 def test_the_blocking_client_with_rings_needs_no_trio(service: Service, tmp_path: Path) -> None:

@@ -100,7 +100,7 @@ async def submit_from(
 ) -> dict[str, Any]:
     """A work volume of the green made through `host`'s anchor, written and submitted."""
     async with slates.AsyncClient(runtime_dir=bed.runtime(host)) as client:
-        work = await client.create_work(bed.green, f"w-{host}-{uuid.uuid4().hex[:6]}")
+        work = await client.create_work(bed.green, f"w-{host}-{uuid.uuid4().hex[:6]}", at="owner")
         for path, data in files.items():
             parent = path.rpartition("/")[0]
             if parent:
@@ -148,7 +148,7 @@ def test_a_submission_from_h2_waits_for_holders_outside_h1(bed: Bed) -> None:
 
 def test_the_cli_on_h2_submits_with_durability_host(bed: Bed) -> None:
     with slates.Client(bed.runtime("h2")) as h2:  # the blocking Client forwards too
-        work = h2.create_work(bed.green, f"cli-{uuid.uuid4().hex[:6]}")["id"]
+        work = h2.create_work(bed.green, f"cli-{uuid.uuid4().hex[:6]}", at="owner")["id"]
         h2.write(work, "/cli.txt", b"from the cli on h2\n")
     assert work.endswith("@h1")
     done = bed.call(
@@ -281,7 +281,7 @@ def test_a_scope_not_reached_in_time_is_reported_as_what_was(bed: Bed) -> None:
     # h3 holds, one short of f+1, so `host` cannot be reached; the reply says `restart`.
     async def submit() -> dict[str, Any]:
         async with slates.AsyncClient(runtime_dir=bed.runtime("h3")) as client:
-            work = await client.create_work(bed.green, f"short-{uuid.uuid4().hex[:6]}")
+            work = await client.create_work(bed.green, f"short-{uuid.uuid4().hex[:6]}", at="owner")
             await client.write(work["id"], "/short.txt", b"one holder short\n")
             result: dict[str, Any] = await client.submit(
                 work["id"], durability="host", durability_timeout=3

@@ -57,6 +57,11 @@ any number of requests per connection, one at a time, each answered
   volume ID's green reaches scope S ("restart", "host", "region") and
   answer `{"durability", "scopes", ...}`; H ("" for this host) is where
   the work volume lives, whose link does the waiting;
+- `{"op": "remote.tree" | "remote.chunks" | "remote.submit" | "remote.stats" |
+  "remote.damage", ...}`: remote work volumes, a shard's asks for another
+  host's green version (its tree record, its pieces, a submission on the
+  owner), slates.fleet.link_remote's (peers ask each other as `{"kind":
+  "remote"}` over QUIC);
 - `{"op": "takeover", "green": NAME, "epoch": E}`: commit this host as
   NAME's owner at E+1 and recover it, as a failed verdict does;
   EpochFenced (with the committed owner) when etcd is no longer at E,
@@ -72,7 +77,9 @@ The serving link refuses the same way, and translates the ids of a green
 it adopted into its local copy's (as another client id,
 link_rules.adopted_client_id, since the client numbers its requests per
 original host); new volumes it makes for such a request are answered as
-`<id>@<this host>`.  Only the link routes by ownership: a local client of
+`<id>@<this host>`.  A local client's forward to another host for a green
+this host owns now (it took it over) is served here, not sent to the
+green's old host.  Only the link routes by ownership: a local client of
 a host's anchor reaches its shard directly (known gap, below).
 
 Requests arriving over QUIC come from a host the handshake authenticated
@@ -156,6 +163,7 @@ from slates.fleet.config import GreenConfig, HolderSet, Peer
 from slates.fleet.etcd import Council, HostRecord, Lease
 from slates.fleet.hostconfig import HostConfig, load_host_config, parse_address
 from slates.fleet.link_forward import PeerPool, ShardLines
+from slates.fleet.link_remote import RemoteReads
 from slates.fleet.link_replicate import Replicator
 from slates.fleet.link_rules import (
     Durable,
@@ -311,6 +319,16 @@ class FleetLink:
             council,
             self._alive_hosts,
             _log,
+        )
+
+        self.remote = RemoteReads(
+            config.host_id,
+            self.boot_id,
+            self.replicator,
+            self._peer_request,
+            self.forward,
+            self._durable,
+            self._alive_hosts,
         )
 
     def _alive_hosts(self) -> set[str]:
@@ -676,6 +694,8 @@ class FleetLink:
             case "durable":
                 result = await self._durable(parse_remote_durable(message))
                 return pack(result)
+            case "remote":
+                return pack(await self.remote.serve(peer_host, message))
             case kind:
                 raise InvalidArgument("unknown fleet request kind", kind=str(kind))
 
@@ -784,6 +804,9 @@ class FleetLink:
             self._local_connections -= 1
 
     async def local_request(self, message: dict[str, Any]) -> Any:
+        op = message.get("op") if isinstance(message, dict) else None
+        if isinstance(op, str) and op.startswith("remote."):
+            return await self.remote.local(message)  # remote work volumes (link_remote)
         request = parse_local(message)
         match request:
             case Forward():
@@ -823,6 +846,11 @@ class FleetLink:
                     green=fleet_name(names, local_id),
                     owner_host=owner,
                 )
+        me = self.config.host_id
+        refs = volume_refs(request.request).values()
+        if request.host != me and refs and all(self._owned_here(names, r) for r in refs):
+            # This host took the green over: serve it here (its old host may be gone).
+            request = dataclasses.replace(request, host=me, names=names)
         if request.host == self.config.host_id:
             remote = RemoteForward(
                 request.host,
@@ -838,6 +866,10 @@ class FleetLink:
         return await self._peer_request(
             request.host, pack(remote_payload(request)), self.options.forward_timeout
         )
+
+    def _owned_here(self, names: str, local_id: str) -> bool:
+        config = self.replicator.configs.get(fleet_name(names, local_id))
+        return config is not None and config.owner == self.replicator.me
 
     async def hosts(self) -> dict[str, Any]:
         records = await self._council(self.council.hosts)

@@ -39,7 +39,7 @@ machines, over QUIC:
   `recovery.verify` (every tree record root-checked, every file chunk
   BLAKE3-checked on arrival), then the versions are replayed into a new
   local green of one of its shards (version 0 captured from a directory
-  written in the runtime directory and removed after, each later version
+  written in TMPDIR and removed after, each later version
   one submission of a scratch work volume), whose numbering is therefore
   the original's.  The adopted green answers under its fleet name:
   `adopted` maps the name to (shard, local id) for slates.fleet.link's
@@ -304,6 +304,11 @@ class Replicator:
         ):
             del shipping.exports[min(shipping.exports)]
         return export
+
+    async def export_version(self, shipping: Shipping, position: int) -> Export:
+        """The export of one version of a green this host owns (cached; remote reads ask
+        for it when no holder has the version yet: slates.fleet.link_remote)."""
+        return await self._export(shipping, position)
 
     # -- owner side: placement
 

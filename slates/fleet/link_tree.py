@@ -9,8 +9,10 @@ through the link's own client (one at a time):
   `read` in READ_PIECE pieces) into `replica.TreeEntry` records and chunks,
   and the clone is deleted (also when the walk fails);
 - `import_green(name, trees, store)`: a chain of tree records becomes a new
-  local green on shard 0: version 0 captured from a directory written under
-  RUNTIME/fleet-import/ (removed afterwards; the capture holds the bytes),
+  local green on shard 0: version 0 captured from a directory written in
+  TMPDIR/slates-fleet-import-<uuid>, mode 0700 (removed afterwards; the
+  capture holds the bytes; not the runtime directory, where a shard refuses
+  to capture),
   each later version one submission of a scratch work volume
   (`fleet-replay-*`, deleted after) replaying `replica.replay_plan`, whose
   number must be the version's (VerificationFailed otherwise).  While it
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -43,7 +46,7 @@ __all__ = ["IMPORT_DIR", "MAX_EXPORT_BYTES", "ShardTrees"]
 MAX_EXPORT_BYTES: Final = 256 << 20
 MAX_WALK_ENTRIES: Final = 1 << 16
 READ_PIECE: Final = 8 << 20
-IMPORT_DIR: Final = "fleet-import"
+IMPORT_DIR: Final = "slates-fleet-import"  # a fresh TMPDIR/slates-fleet-import-<uuid> each
 VERSION_SLACK: Final = 16  # versions read beyond the one looked for (new ones may arrive)
 VERSION_READS: Final = 3
 
@@ -160,7 +163,8 @@ class ShardTrees:
         contents = {c: store.get(c) for c in store.raw()}
         name = f"{green} adopted {uuid.uuid4().hex[:8]}"
         self.importing.add(name)
-        base_dir = self.runtime_dir / IMPORT_DIR / uuid.uuid4().hex
+        # Not under the runtime directory: a shard refuses to capture a base there.
+        base_dir = Path(tempfile.gettempdir()) / f"{IMPORT_DIR}-{uuid.uuid4().hex}"
         try:
             first = decode_tree(trees[0])
             args: dict[str, Any] = {"name": name, "submit_ignored": True}

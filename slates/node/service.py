@@ -16,6 +16,14 @@ slates.node.green_ops (green and work volumes, over slates.node.ledger),
 slates.node.landing_ops.  Agents are checked by slates.node.principals
 before an op runs, and see only their own volumes and the greens.
 
+Remote work volumes (slates.node.remote_ops): `work.create` naming another
+host's green by its fleet name ("<id>@<host>") makes a volume here over a
+remote base (slates.node.remote_base, opened through the same `open_base`
+for its `fleet:` key); any op on such a volume whose base read lacks
+content becomes a job that fetches it off the loop and runs the op again;
+`submit` of one goes to the green's owner; the collection keeps what such
+bases fetched (`collect_garbage`).
+
 Request identity is (client, seq).  A retry of a saved request returns the
 saved reply; a retry at or below the client's acknowledgement gets
 RequestExpired.  Saved replies per client are bounded (MAX_UNACKED).
@@ -37,15 +45,17 @@ from slates.base.capturing import CaptureReader, CaptureWriter
 from slates.base.live import LiveDirectory
 from slates.core.host import Host
 from slates.core.records import Kind
-from slates.core.volume import BaseReader, Capacity, Volume
+from slates.core.volume import BaseReader, Capacity, Volume, held
 from slates.errors import (
     AccessDenied,
     AlreadyExists,
     CapacityExhausted,
     ConsistentBaseUnavailable,
     InvalidArgument,
+    MissingContent,
     NotFound,
     NotPermitted,
+    NotSupported,
     RequestExpired,
     SlatesError,
     VerificationFailed,
@@ -75,7 +85,9 @@ from slates.node.landing_ops import LandingOps
 from slates.node.path_ops import run_path_op
 from slates.node.principals import OPERATOR, Principal, authorize
 from slates.node.protocol import Request, error_reply, ok_reply, shard_of
-from slates.node.state import ShardState
+from slates.node.remote_base import RemoteBase
+from slates.node.remote_ops import LinkCalls, RemoteOps
+from slates.node.state import GARBAGE_BATCH_BYTES, ShardState
 
 __all__ = ["ShardService", "Event", "MAX_UNACKED", "READ_ONLY_OPS", "shard_of"]
 
@@ -120,7 +132,12 @@ class ShardService(ShardState):
         protected: tuple[str, ...] = (),
         allow_roots: tuple[str, ...] = (),
     ) -> None:
-        super().__init__(index, host, open_base, approver_key, protected)
+        def open_any_base(key: str) -> BaseReader:
+            remote = self.remote.open(key)  # a remote green version (slates.node.remote_ops)
+            return open_base(key) if remote is None else remote
+
+        self.remote = RemoteOps(self, LinkCalls(protected[0] if protected else None))
+        super().__init__(index, host, open_any_base, approver_key, protected)
         # Where agents may name bases and landing targets (the operator anywhere).
         self.allow_roots = tuple(os.path.realpath(root) for root in allow_roots)
         # Connections of mount bridges, per volume (not journaled: bridges reconnect).
@@ -352,6 +369,14 @@ class ShardService(ShardState):
                 return {}
             case "clone":
                 return self._clone(args)
+            case "work.create" if "@" in str(args.get("green", "")):
+                return self.remote.create_work(args, now)  # another host's green, made here
+            case "submit" if self.remote.base_of(str(args.get("volume", ""))) is not None:
+                return self.remote.submit(_str_arg(args, "volume"), args)
+            case "rebase" if self.remote.base_of(str(args.get("volume", ""))) is not None:
+                raise NotSupported(
+                    "a remote work volume does not rebase yet (slates.node.remote_ops)"
+                )
             case op if op in GREEN_OPS:
                 return self.green_ops.run(op, args, now)
             case op if op.startswith("land."):
@@ -379,11 +404,55 @@ class ShardService(ShardState):
                     raise NotPermitted(
                         "a green volume changes only by submission", volume=vid, op=op
                     )
+                if isinstance(volume.base, RemoteBase):
+                    return self._remote_op(vid, volume, op, args, now)
                 if op.startswith("fs."):
                     return run_fs_op(volume, op, args, now)
                 if op == "read" and (warm := self._base_read_warmer(volume, args)) is not None:
                     return self._large_base_read(vid, warm, args, now)
                 return run_path_op(volume, op, args, now)
+
+    def _remote_op(self, vid: str, volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
+        """An op on a volume over a remote green version: a read of content not here yet
+        becomes a job that fetches it, then runs the op again (slates.node.remote_ops)."""
+
+        def run() -> Any:
+            current = self.volumes.get(vid)
+            if current is None:
+                raise NotFound("no such volume", volume=vid)
+            if op.startswith("fs."):
+                return run_fs_op(current, op, args, now)
+            return run_path_op(current, op, args, now)
+
+        try:
+            return run()
+        except MissingContent as missing:
+            if not self.remote.fetchable(missing):
+                raise
+            return self.remote.fetching(vid, run, missing)
+
+    def info(self, vid: str) -> dict[str, Any]:
+        found = super().info(vid)
+        remote = self.remote.view(vid)
+        if remote is None:
+            return found
+        # A work volume of another host's green: named by the green's fleet name.
+        return {**found, "role": "work", "green": remote["green"], "version": remote["version"]} | {
+            "remote": remote
+        }
+
+    def collect_garbage(self, *, force: bool = False) -> None:
+        """ShardState's collection, keeping the pieces remote bases fetched: no extent
+        names them (their extents are the base's), yet the volumes read them."""
+        if not self.remote.readers:
+            super().collect_garbage(force=force)
+            return
+        if not self.garbage_bytes or (self.garbage_bytes < GARBAGE_BATCH_BYTES and not force):
+            return
+        self.garbage_bytes = 0
+        found = held(self.volumes.values(), [s.root for s in self.snapshots.values()])
+        self.host.collect([found.chunk_ids, self.remote.kept_chunks()])
+        self.host.recount_snapshot_metadata(found.shared_metadata)
 
     def _base_read_warmer(self, volume: Volume, args: dict[str, Any]) -> Callable[[], None] | None:
         """For a large read of a file that is wholly its base file's: something that reads

@@ -167,6 +167,15 @@ class AsyncClient:
             result = {**result, "id": fleet_name(host, result["id"])}  # ids keep their host
         return result
 
+    def _fleet_host(self) -> str | None:
+        """This host's id in its fleet (the fleet link's state file), None without one."""
+        try:
+            found = json.loads((self.runtime.path / "fleet-link.json").read_text())
+        except (OSError, ValueError):
+            return None
+        host = found.get("host") if isinstance(found, dict) else None
+        return host if isinstance(host, str) and host else None
+
     def _home(self, name: str) -> int:
         """The shard a new volume named `name` goes to (its name's BLAKE3 hash)."""
         self._opened()
@@ -448,17 +457,33 @@ class AsyncClient:
         version: int | None = None,
         bounded: int | None = None,
         dynamic: int | None = None,
+        at: str = "here",
     ) -> dict[str, Any]:
         """A work volume on a green version (the head by default): O(1), nothing copied.
 
         Returns its description with `id` and `base` (the version it started from).
+
+        Another host's green (`<id>@<host>`): with `at="here"` (the default, on a
+        host of a fleet) the work volume is made on this host, over the version's
+        tree record, its content fetched from the green's holders as it is read
+        (slates.node.remote_ops; `remote` in its description); `at="owner"` makes it
+        on the green's owner, reached through the fleet link (`<id>@<owner>`).
         """
+        if at not in ("here", "owner"):
+            raise InvalidArgument("a work volume is made here or at the owner", at=at)
         args: dict[str, Any] = {"green": green, "name": name}
         if version is not None:
             args["version"] = version
         for key, value in (("bounded", bounded), ("dynamic", dynamic)):
             if _size(value, key) is not None:
                 args[key] = value
+        if "@" in green and at == "here":
+            here = self._fleet_host()
+            if here is not None and green.rpartition("@")[2] != here:
+                home = self._home(name)
+                await self._check_name_free(name, home)
+                made: dict[str, Any] = await self.call(home, "work.create", **args)
+                return made
         if "@" not in green:  # another host's green: its host checks the name
             await self._check_name_free(name, shard_of(green))
         result: dict[str, Any] = await self._on(green, "work.create", **args)
@@ -501,6 +526,8 @@ class AsyncClient:
         args: dict[str, Any] = {"volume": work}
         if dry_run:
             args["dry_run"] = True
+        if durability is not None and "@" not in work:  # a remote work volume waits itself
+            args.update(durability=durability, durability_timeout=durability_timeout)
         result: dict[str, Any] = await self._on(work, "submit", **args)
         if dry_run and result.get("dry_run") is not True:
             raise VerificationFailed(
@@ -508,7 +535,7 @@ class AsyncClient:
                 volume=work,
                 version=result.get("version"),
             )
-        if durability is not None and not dry_run:
+        if durability is not None and not dry_run and "durability" not in result:
             result = {**result, **await self._durable(work, result, durability, durability_timeout)}
         return result
 
