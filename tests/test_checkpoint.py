@@ -508,7 +508,7 @@ def _small_blob(document: Any) -> bytes:
 def test_page_bytes_follow_the_document_in_its_order() -> None:
     """The layout: the document lists each buffer's length, and the bytes follow."""
     document = _small_document()
-    lengths = [length for v in document["volumes"] for _bid, length in v["buffers"]]
+    lengths = [length for v in document["volumes"] for _bid, length, _at in v["buffers"]]
     (head,) = struct.unpack_from("<Q", SMALL_BLOB)
     assert lengths and len(SMALL_BLOB) == 8 + head + sum(lengths)
 

@@ -8,7 +8,7 @@ import os
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -126,7 +126,7 @@ def test_default_sizes_on_this_machine_for_the_issues_figures() -> None:
     fd = create_segment("test-checkpoint", sizes.checkpoint)
     segment = Segment(fd)
     try:
-        assert Checkpoints(segment).slot_size == 512 * MiB
+        assert Checkpoints(segment).area_bytes == 2 * 512 * MiB
     finally:
         segment.close()
         os.close(fd)
@@ -220,18 +220,48 @@ def test_deleted_snapshots_leave_the_counters_at_collection() -> None:
     assert service.svc.host.physical_bytes <= rest
 
 
-def test_a_checkpoint_written_in_pieces_reads_back_whole_and_one_too_big_changes_nothing() -> None:
-    fd = create_segment("test-checkpoint", PAGE + 2 * 16 * PAGE)
+class _Buffers:
+    """A stand-in for the shard's state: buffers placed in a Checkpoints, a document."""
+
+    def __init__(self, buffers: list[bytearray]) -> None:
+        self.buffers = buffers
+        self.where: list[object] = [None] * len(buffers)
+
+    def build(self, store: Checkpoints) -> tuple[bytes, Callable[[], None]]:
+        where = [
+            store.place(buffer, at, (0, 1 << 62))
+            for buffer, at in zip(self.buffers, self.where, strict=True)
+        ]
+
+        def published() -> None:
+            self.where = where
+
+        return repr(where).encode(), published
+
+
+def test_a_checkpoint_reads_back_and_one_too_big_changes_nothing() -> None:
+    fd = create_segment("test-checkpoint", PAGE + 32 * PAGE)
     segment = Segment(fd)
     try:
         checkpoints = Checkpoints(segment)
-        pieces: list[bytes | bytearray] = [b"head", bytearray(3 * PAGE), b"", bytearray(b"tail")]
-        checkpoints.write(7, pieces)
-        assert checkpoints.read() == (7, b"".join(pieces))
+        assert checkpoints.read() is None
+        state = _Buffers([bytearray(b"a" * 3 * PAGE), bytearray(b"tail")])
+        checkpoints.write(7, state.build)
+        generation, document = checkpoints.read() or (0, b"")
+        assert (generation, document) == (7, repr(state.where).encode())
+        assert [
+            checkpoints.fetch(at, len(b)) for at, b in zip(state.where, state.buffers, strict=True)
+        ] == [
+            b"a" * 3 * PAGE,
+            b"tail",
+        ]
+        held = segment_bytes(fd)
+        too_big = _Buffers([bytearray(b"y" * PAGE)] * 40)
         with pytest.raises(CapacityExhausted):
-            checkpoints.write(8, iter([b"y" * PAGE] * 17))
-        assert checkpoints.read() == (7, b"".join(pieces))
-        assert segment_bytes(fd) <= PAGE + 4 * PAGE  # the failed slot's pages went back
+            checkpoints.write(8, too_big.build)
+        assert too_big.where == [None] * 40  # not published: nothing adopted
+        assert checkpoints.read() == (7, document)
+        assert segment_bytes(fd) <= held  # the failed checkpoint's pages went back
     finally:
         segment.close()
         os.close(fd)

@@ -16,6 +16,17 @@ checkpoint of 400 MiB of private pages would otherwise hold them twice
 more in the heap while it is written).  Base readers are not data: the blob
 keeps `base_key(reader)` and loading calls `open_base(key)` once per key.
 
+Placed pages.  A writer that keeps page buffers in a store of its own
+between checkpoints (the shard's checkpoint segment) passes a PageStore:
+`dump_placed` then asks the store to place each buffer, giving it the
+buffer's previous location and the range that changed since (the volume
+tracks both), and the document records each buffer's location instead of
+its bytes, so an unchanged buffer costs nothing to checkpoint again.
+Once the writer has published that document it calls `mark_placed`, and
+the volumes remember the new locations; a checkpoint that is not
+published leaves them as they were.  `load_state(..., pages=store)`
+fetches each buffer from its location and remembers it as placed.
+
 Sharing.  Roots share Inode objects (a volume with its snapshots and
 clones).  The blob keeps that sharing instead of multiplying it:
 - an inode table holds each distinct Inode object once (by identity);
@@ -57,7 +68,7 @@ import dataclasses
 import struct
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import immutables
 import msgpack
@@ -84,7 +95,18 @@ from slates.core.volume import (
 )
 from slates.errors import InvalidArgument, MissingContent, SlatesError
 
-__all__ = ["FORMAT", "VERSION", "LoadedState", "dump_state", "load_state"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "LoadedState",
+    "PageStore",
+    "Placement",
+    "dump_placed",
+    "dump_state",
+    "dump_state_pieces",
+    "load_state",
+    "mark_placed",
+]
 
 # Blob layout, version 1 (msgpack; enums are ints, bytes are bin; `idx` is a
 # position in a table; tables only refer to earlier entries of themselves):
@@ -111,13 +133,14 @@ __all__ = ["FORMAT", "VERSION", "LoadedState", "dump_state", "load_state"]
 #   volume = {"name", "root", "base", "bounded", "limit", "closed",
 #             "unique_bytes", "inflight_bytes", "metadata_bytes", "own_mark",
 #             "own_limit", "own_numbers": [ino],
-#             "buffers": [[buffer_id, length]],   (their bytes follow the document)
+#             "buffers": [[buffer_id, length, location|nil]],
+#                  (nil: the bytes follow the document; else the PageStore's location)
 #             "next_buffer", "handles": [[ino, count]], "dirty": [ino]}
 #   snapshot = {"name", "id", "root", "base"}
 
 # blob = [document length: u64 little-endian][msgpack document][page buffers' bytes]
 FORMAT = "slates.checkpoint"
-VERSION = 2
+VERSION = 3
 _LENGTH = struct.Struct("<Q")
 
 _BASE_SPAN, _CHUNK_SPAN, _PAGE_SPAN = 0, 1, 2
@@ -168,6 +191,35 @@ _ABSENT = object()
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+
+
+class PageStore(Protocol):
+    """Where a checkpoint writer keeps page buffers between checkpoints."""
+
+    def place(self, buffer: bytearray, where: Any, changed: tuple[int, int] | None) -> Any:
+        """Store `buffer` for the checkpoint being written; return its location (msgpack
+        data).  `where` is its location in the published checkpoint (None: never
+        placed), `changed` the range [lo, hi) of its bytes changed since (None: none;
+        hi may lie past its end).  Nothing the published checkpoint uses may change."""
+        ...
+
+    def fetch(self, where: Any, length: int) -> bytearray:
+        """The `length` bytes of the buffer placed at `where` (checked: damage raises)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a written checkpoint placed each volume's buffers: `mark_placed` adopts it."""
+
+    volumes: tuple[tuple[Volume, tuple[tuple[int, Any], ...]], ...]
+
+
+def mark_placed(placement: Placement) -> None:
+    """The checkpoint of `placement` is published: its locations are the volumes' now."""
+    for volume, placed in placement.volumes:
+        volume._placed = dict(placed)
+        volume._changed = {}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -379,6 +431,34 @@ def dump_state_pieces(
     given (needed when there are only snapshots).  Names must be unique
     across volumes and snapshots (load reports failures by name).
     """
+    head, pages, _placement = _document(volumes, snapshots, base_key, host, None)
+    yield head
+    yield from pages
+
+
+def dump_placed(
+    volumes: Mapping[str, Volume],
+    snapshots: Mapping[str, Snapshot],
+    base_key: Callable[[BaseReader], str],
+    pages: PageStore,
+    *,
+    host: Host | None = None,
+) -> tuple[bytes, Placement]:
+    """The checkpoint document of `volumes` and `snapshots`, each page buffer placed in
+    `pages` (see `dump_state_pieces`): the blob, with no page bytes after it, and the
+    placement to `mark_placed` once the blob is published."""
+    head, _pages, placement = _document(volumes, snapshots, base_key, host, pages)
+    return head, placement
+
+
+def _document(
+    volumes: Mapping[str, Volume],
+    snapshots: Mapping[str, Snapshot],
+    base_key: Callable[[BaseReader], str],
+    host: Host | None,
+    store: PageStore | None,
+) -> tuple[bytes, list[bytearray], Placement]:
+    """[length][document], the buffers to follow it (none when placed), the placement."""
     both = volumes.keys() & snapshots.keys()
     if both:
         raise InvalidArgument("a name is both a volume and a snapshot", names=sorted(both)[:8])
@@ -404,8 +484,23 @@ def dump_state_pieces(
 
     encoder = _Encoder()
     pages: list[bytearray] = []
+    placed: list[tuple[Volume, tuple[tuple[int, Any], ...]]] = []
     volume_docs: list[dict[str, Any]] = []
     for name, volume in volumes.items():
+        buffer_ids = sorted(volume._buffers)
+        if store is None:
+            where: list[Any] = [None] * len(buffer_ids)
+            pages += [volume._buffers[bid] for bid in buffer_ids]
+        else:
+            where = [
+                store.place(
+                    volume._buffers[bid],
+                    volume._placed.get(bid),
+                    volume._changed.get(bid) if bid in volume._placed else None,
+                )
+                for bid in buffer_ids
+            ]
+            placed.append((volume, tuple(zip(buffer_ids, where, strict=True))))
         volume_docs.append(
             {
                 "name": name,
@@ -420,13 +515,15 @@ def dump_state_pieces(
                 "own_mark": volume._own_mark,
                 "own_limit": volume._own_limit,
                 "own_numbers": sorted(volume._own_numbers),
-                "buffers": [[bid, len(volume._buffers[bid])] for bid in sorted(volume._buffers)],
+                "buffers": [
+                    [bid, len(volume._buffers[bid]), at]
+                    for bid, at in zip(buffer_ids, where, strict=True)
+                ],
                 "next_buffer": volume._next_buffer,
                 "handles": [[ino, volume._handles[ino]] for ino in sorted(volume._handles)],
                 "dirty": sorted(volume._dirty),
             }
         )
-        pages += [volume._buffers[bid] for bid in sorted(volume._buffers)]
     snapshot_docs = [
         {
             "name": name,
@@ -447,9 +544,7 @@ def dump_state_pieces(
         "snapshot_metadata_bytes": metadata,
     }
     head: bytes = msgpack.packb(document, use_bin_type=True, unicode_errors="surrogateescape")
-    yield _LENGTH.pack(len(head))
-    yield head
-    yield from pages
+    return _LENGTH.pack(len(head)) + head, pages, Placement(tuple(placed))
 
 
 # -- load: phase 1, decode and validate -----------------------------------------
@@ -520,6 +615,7 @@ class _VolumeSpec:
     own_limit: int
     own_numbers: set[int]
     buffers: dict[int, bytearray]
+    placed: dict[int, Any]
     next_buffer: int
     handles: dict[int, int]
     dirty: set[int]
@@ -536,9 +632,12 @@ class _SnapshotSpec:
 class _Decoder:
     """Rebuilds the tables; every check raises InvalidArgument."""
 
-    def __init__(self, document: dict[str, Any], page_bytes: memoryview) -> None:
+    def __init__(
+        self, document: dict[str, Any], page_bytes: memoryview, store: PageStore | None
+    ) -> None:
         self._page_data = page_bytes  # the page buffers' bytes, taken in document order
         self._page_at = 0
+        self._store = store
         self.chunks = [_bin(c, "chunk id") for c in _list(document["chunks"], "chunk table")]
         self.inodes: list[Inode] = []
         self.pages: dict[int, tuple[PageSpan, ...]] = {}  # id(Inode) -> its page extents
@@ -551,8 +650,13 @@ class _Decoder:
             self._check_root(root)
             self.roots.append(root)
 
-    def _page_bytes(self, length: int) -> bytearray:
-        """The next page buffer's bytes (copied once, into the buffer the volume owns)."""
+    def _page_bytes(self, length: int, where: Any) -> bytearray:
+        """A page buffer's bytes (copied once, into the buffer the volume owns): from the
+        store when it was placed there, else the next ones after the document."""
+        if (where is None) != (self._store is None):
+            _bad("a page buffer's location does not match how the checkpoint is read")
+        if self._store is not None:
+            return self._store.fetch(where, length)
         if length > self.pages_left:
             _bad("a page buffer runs past the checkpoint's end", length=length)
         start, self._page_at = self._page_at, self._page_at + length
@@ -772,12 +876,16 @@ class _Decoder:
         d = _map(raw, "volume", _VOLUME_KEYS)
         root = self.root_at(d["root"])
         buffers: dict[int, bytearray] = {}
+        placed: dict[int, Any] = {}
         for value in _list(d["buffers"], "page buffers"):
-            pair = _list(value, "page buffer", 2)
-            buffer_id = _int(pair[0], "buffer id", 1)
+            triple = _list(value, "page buffer", 3)
+            buffer_id = _int(triple[0], "buffer id", 1)
             if buffer_id in buffers:
                 _bad("a page buffer id repeats", buffer_id=buffer_id)
-            buffers[buffer_id] = self._page_bytes(_int(pair[1], "page buffer length"))
+            length = _int(triple[1], "page buffer length")
+            buffers[buffer_id] = self._page_bytes(length, triple[2])
+            if triple[2] is not None:
+                placed[buffer_id] = triple[2]
         handles: dict[int, int] = {}
         for value in _list(d["handles"], "handles"):
             pair = _list(value, "handle", 2)
@@ -801,6 +909,7 @@ class _Decoder:
                 _int(ino, "own number", ROOT_INO + 1) for ino in _list(d["own_numbers"], "numbers")
             },
             buffers=buffers,
+            placed=placed,
             next_buffer=_int(d["next_buffer"], "next buffer", max(buffers, default=0) + 1),
             handles=handles,
             dirty={_int(ino, "dirty ino", 1) for ino in _list(d["dirty"], "dirty inodes")},
@@ -838,7 +947,7 @@ class _Decoder:
 
 
 def _decode(
-    blob: bytes | memoryview,
+    blob: bytes | memoryview, store: PageStore | None
 ) -> tuple[list[_VolumeSpec], list[_SnapshotSpec], int, _Decoder]:
     view = memoryview(blob)
     if len(view) < _LENGTH.size:
@@ -863,7 +972,7 @@ def _decode(
         raise InvalidArgument("unsupported checkpoint version", version=repr(version)[:40])
     if document.keys() != _TOP_KEYS:
         _bad("wrong top-level fields")
-    decoder = _Decoder(document, view[_LENGTH.size + length :])
+    decoder = _Decoder(document, view[_LENGTH.size + length :], store)
     volumes = [decoder.volume(raw) for raw in _list(document["volumes"], "volumes")]
     if decoder.pages_left:
         _bad("page bytes follow that no page buffer names", extra=decoder.pages_left)
@@ -879,7 +988,11 @@ def _decode(
 
 
 def load_state(
-    blob: bytes | memoryview, host: Host, open_base: Callable[[str], BaseReader]
+    blob: bytes | memoryview,
+    host: Host,
+    open_base: Callable[[str], BaseReader],
+    *,
+    pages: PageStore | None = None,
 ) -> LoadedState:
     """Rebuild the volumes and snapshots of a checkpoint on `host`.
 
@@ -889,9 +1002,10 @@ def load_state(
     chunk store must hold the sealed chunks; a volume or snapshot naming a
     missing chunk fails with MissingContent.  A malformed blob raises
     InvalidArgument and changes nothing.  `Volume.on_applied` is not state:
-    reattach it.
+    reattach it.  A blob `dump_placed` wrote needs the `pages` store its buffers
+    were placed in (whose damaged bytes raise what `PageStore.fetch` raises).
     """
-    volumes, snapshots, metadata, decoder = _decode(blob)
+    volumes, snapshots, metadata, decoder = _decode(blob, pages)
 
     # Phase 2: the environment, read but not changed.
     specs: list[_VolumeSpec | _SnapshotSpec] = [*volumes, *snapshots]
@@ -952,11 +1066,12 @@ def load_state(
         volume._own_limit = v.own_limit
         volume._own_numbers = v.own_numbers
         volume._buffers = v.buffers
+        volume._placed = v.placed
         volume._next_buffer = v.next_buffer
         volume._handles = v.handles
         volume._dirty = v.dirty
-        pages = sum(len(buffer) for buffer in v.buffers.values())
-        host.charge(pages + v.metadata_bytes + v.inflight_bytes)
+        page_bytes = sum(len(buffer) for buffer in v.buffers.values())
+        host.charge(page_bytes + v.metadata_bytes + v.inflight_bytes)
         if v.closed:
             volume.close()
         loaded[v.name] = volume

@@ -40,6 +40,16 @@ turns page buffers into immutable BLAKE3-named chunks in the host store.
 `TakeSnapshot` seals and publishes the root; `Volume.clone` starts a new
 volume from a snapshot's root in O(1).
 
+Placed buffers.  A checkpoint writer may keep page buffers outside the
+heap between checkpoints (slates.node.checkpoints).  The volume remembers,
+per buffer, where the last published checkpoint placed it (`_placed`, an
+opaque location the writer chose) and which bytes changed since
+(`_changed`: one range [lo, hi) in buffer offsets, hi = TO_END when the
+buffer grew or shrank from lo on).  Every in-place change of a placed
+buffer widens its range; a new buffer is simply not placed.  The next
+checkpoint rewrites only what changed (slates.core.checkpoint's
+`mark_placed` records the new locations once that checkpoint is published).
+
 No I/O, clock, threads or randomness here: time, uids and base facts come
 in records, base bytes through the injected reader.
 """
@@ -131,6 +141,7 @@ __all__ = [
     "CHUNK_SIZE",
     "INODE_COST",
     "MAX_FILE_SIZE",
+    "TO_END",
     "BaseReader",
     "Capacity",
     "Counters",
@@ -175,6 +186,8 @@ MAX_SYMLINK_BYTES = 4095
 MAX_XATTR_NAME = 255
 MAX_XATTR_VALUE = 64 * 1024
 MAX_FILE_SIZE = 1 << 43
+# A changed range's end that means "to the buffer's end, whatever its length now".
+TO_END = MAX_FILE_SIZE
 XATTR_NAMESPACES = frozenset({"user", "trusted", "security", "system"})
 # POSIX ACLs live in the mode bits here: storing these as plain xattrs would let a
 # tool (sed -i, cp -p) believe it set permissions that the mode never got, so they
@@ -377,12 +390,39 @@ def _check_name(name: str) -> None:
         raise NameTooLong("file name is too long", name=name[:64])
 
 
-def _place(target: bytearray, target_start: int, piece: bytes, piece_start: int) -> None:
-    """Copy the part of `piece` (at file offset piece_start) that falls inside `target`."""
-    lo = max(target_start, piece_start)
-    hi = min(target_start + len(target), piece_start + len(piece))
+def _layered(
+    lo: int, hi: int, layers: Iterable[tuple[int, memoryview]]
+) -> list[bytes | memoryview]:
+    """The bytes of [lo, hi) as pieces: each layer (file offset, bytes; in order, not
+    overlapping) where it lies, zeros between."""
+    pieces: list[bytes | memoryview] = []
+    at = lo
+    for start, view in layers:
+        top = min(hi, start + len(view))
+        if top <= max(at, start):
+            continue
+        if start > at:
+            pieces.append(bytes(start - at))
+            at = start
+        pieces.append(view[at - start : top - start])
+        at = top
+    if at < hi:
+        pieces.append(bytes(hi - at))
+    return pieces
+
+
+def _outside(lo: int, hi: int, gaps: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """The parts of [lo, hi) that no gap (sorted, disjoint) covers."""
+    for start, end in gaps:
+        if start >= hi:
+            break
+        if start > lo:
+            yield lo, start
+        lo = max(lo, end)
+        if lo >= hi:
+            return
     if lo < hi:
-        target[lo - target_start : hi - target_start] = piece[lo - piece_start : hi - piece_start]
+        yield lo, hi
 
 
 def _check_count(value: int, what: str) -> None:
@@ -553,6 +593,9 @@ class Volume:
         self._handles: dict[int, int] = {}
         self._dirty: set[int] = set()
         self._fresh: set[int] = set()  # page buffers made by the record being applied
+        # Where the published checkpoint holds each buffer, and what changed since.
+        self._placed: dict[int, object] = {}
+        self._changed: dict[int, tuple[int, int]] = {}
         self._closed = False
         # Called after every applied record with its result: the journal's seam.
         self.on_applied: Callable[[Record, object], None] | None = None
@@ -684,6 +727,8 @@ class Volume:
         self._closed = True
         freed = sum(len(b) for b in self._buffers.values())
         self._buffers.clear()
+        self._placed.clear()
+        self._changed.clear()
         self.host.charge(-(freed + self.metadata_bytes + self.inflight_bytes))
         self.inflight_bytes = 0
         self.metadata_bytes = 0
@@ -882,6 +927,8 @@ class Volume:
                 self._handles.pop(ino, None)
         for buffer_id in dead_buffers - live_buffers:
             del self._buffers[buffer_id]
+            self._placed.pop(buffer_id, None)
+            self._changed.pop(buffer_id, None)
         self._fresh.clear()
         self.root = dataclasses.replace(
             self.root,
@@ -1235,18 +1282,20 @@ class Volume:
         gaps = uncovered(body.extents, first, last)
         self.host.admit(self, sum(hi - lo for lo, hi in gaps))
         # Every check has passed: from here on the write takes effect.
+        # New pages are made from their final bytes (edges, data, zeros), each byte
+        # copied once; pages already private get the data in place.
         extents = body.extents
+        data = memoryview(r.data)
+        layers = ((first, memoryview(r.head)), (r.offset, data), (end, memoryview(r.tail)))
         for lo, hi in gaps:
-            fill = bytearray(hi - lo)
-            _place(fill, lo, r.head, first)
-            _place(fill, lo, r.tail, end)
-            extents = self._add_pages(extents, lo, fill)
-        for extent in overlapping(extents, r.offset, end):
-            assert isinstance(extent, PageSpan)
-            lo = max(extent.start, r.offset)
-            hi = min(extent.start + extent.length, end)
-            buffer = self._buffers[extent.buffer_id]
-            buffer[lo - extent.start : hi - extent.start] = r.data[lo - r.offset : hi - r.offset]
+            extents = self._add_pages(extents, lo, _layered(lo, hi, layers))
+        for lo, hi in _outside(r.offset, end, gaps):
+            for extent in overlapping(extents, lo, hi):
+                assert isinstance(extent, PageSpan)
+                at, to = max(extent.start, lo), min(extent.start + extent.length, hi)
+                buffer = self._buffers[extent.buffer_id]
+                buffer[at - extent.start : to - extent.start] = data[at - r.offset : to - r.offset]
+                self._touch(extent.buffer_id, at - extent.start, to - extent.start)
         start = min(r.offset, body.size)
         origin = self._recorded(body, start, min(end, body.size), end - start)
         body = dataclasses.replace(body, size=max(body.size, end), extents=extents, origin=origin)
@@ -1254,21 +1303,36 @@ class Volume:
         return len(r.data)
 
     def _add_pages(
-        self, extents: tuple[Extent, ...], start: int, data: bytearray
+        self, extents: tuple[Extent, ...], start: int, pieces: list[bytes | memoryview]
     ) -> tuple[Extent, ...]:
-        """Cover [start, start+len(data)) with private pages, growing a page run that ends there."""
-        end = start + len(data)
+        """Cover [start, start + their length) with private pages holding `pieces`, in
+        order, growing a page run that ends there."""
+        length = sum(len(piece) for piece in pieces)
+        end = start + length
         before = [e for e in overlapping(extents, start - 1, start) if e.start + e.length == start]
         if before and isinstance(before[0], PageSpan):
             prev = before[0]
-            self._buffers[prev.buffer_id].extend(data)
-            grown = PageSpan(prev.start, prev.length + len(data), prev.buffer_id)
+            self._touch(prev.buffer_id, prev.length, TO_END)
+            buffer = self._buffers[prev.buffer_id]
+            for piece in pieces:
+                buffer += piece
+            grown = PageSpan(prev.start, prev.length + length, prev.buffer_id)
             return splice(extents, prev.start, end, [grown])
         buffer_id = self._next_buffer
         self._next_buffer += 1
         self._fresh.add(buffer_id)
-        self._buffers[buffer_id] = bytearray(data)
-        return splice(extents, start, end, [PageSpan(start, len(data), buffer_id)])
+        buffer = bytearray(pieces[0]) if len(pieces) == 1 else bytearray(b"".join(pieces))
+        self._buffers[buffer_id] = buffer
+        return splice(extents, start, end, [PageSpan(start, length, buffer_id)])
+
+    def _touch(self, buffer_id: int, lo: int, hi: int) -> None:
+        """Note that bytes [lo, hi) of a buffer changed (only a placed one needs noting)."""
+        if buffer_id not in self._placed:
+            return
+        before = self._changed.get(buffer_id)
+        if before is not None:
+            lo, hi = min(lo, before[0]), max(hi, before[1])
+        self._changed[buffer_id] = (lo, hi)
 
     def _split_pages_at(self, extents: tuple[Extent, ...], at: int) -> tuple[Extent, ...]:
         """Split the page extent that straddles the page boundary `at`, if any."""
@@ -1280,6 +1344,7 @@ class Volume:
                 self._fresh.add(right)
                 self._buffers[right] = buffer[at - extent.start :]
                 del buffer[at - extent.start :]
+                self._touch(extent.buffer_id, at - extent.start, TO_END)
                 pieces: list[Extent] = [
                     PageSpan(extent.start, at - extent.start, extent.buffer_id),
                     PageSpan(at, extent.start + extent.length - at, right),
@@ -1370,6 +1435,7 @@ class Volume:
                     keep = page_ceil(r.size) - extent.start
                     del buffer[keep:]
                     buffer[r.size - extent.start :] = bytes(keep - (r.size - extent.start))
+                    self._touch(extent.buffer_id, r.size - extent.start, TO_END)
                     kept.append(PageSpan(extent.start, keep, extent.buffer_id))
                 else:
                     piece = trim(extent, extent.start, r.size)

@@ -31,12 +31,14 @@ to allocate.  Three readers and one rule live here:
     * the journal gets JOURNAL_BYTES (room for a checkpoint trigger's worth
       of frames and one largest request after it), or a quarter of the
       budget if that is smaller;
-    * the rest is split one third arena, two thirds checkpoint (two slots,
-      each as large as the arena, since a checkpoint carries a shard's
-      private pages); each is capped by what the pool can hold: the arena
-      at C, a slot at C.  One shard may thus hold the whole pool when the
-      budget allows (C <= (RAM // shards - journal) / 3), and otherwise a
-      third of its budget; filling a segment is CapacityExhausted.
+    * the rest is split one third arena, two thirds checkpoint (its page
+      area is twice the arena: a checkpoint holds a shard's private pages,
+      and the next one takes fresh space for what changed before the old
+      one's is freed, slates.node.checkpoints); each is capped by what the
+      pool can hold: the arena at C, a slot (half the page area) at C.
+      One shard may thus hold the whole pool when the budget allows
+      (C <= (RAM // shards - journal) / 3), and otherwise a third of its
+      budget; filling a segment is CapacityExhausted.
   Every size is a multiple of the page size.
 
 Callers: the anchor (default sizes; pool creation), the shard (status),
@@ -109,7 +111,7 @@ def default_segment_sizes(capacity: int, shards: int, ram_bytes: int) -> Segment
             "too little RAM per shard for its segments", ram=ram_bytes, shards=shards
         )
     slot = min(_pages_down(pool) or PAGE, third)
-    # The checkpoint segment's first page is its header; then two slots.
+    # The checkpoint segment's first page is its header; then a page area of two slots.
     return SegmentSizes(journal=journal, checkpoint=PAGE + 2 * slot, arena=PAGE + slot)
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "Request",
     "Reply",
     "pack",
+    "pack_parts",
     "unpack",
     "frame",
     "FrameReader",
@@ -61,7 +62,59 @@ def pack(message: dict[str, Any]) -> bytes:
     return out
 
 
-def unpack(payload: bytes) -> dict[str, Any]:
+# Bytes at least this large, no deeper than _LARGE_DEPTH containers in, are not copied
+# into a message `pack_parts` packs (a journal commit's record: {"events": [[.., record]]}).
+_LARGE_BYTES = 64 << 10
+_LARGE_DEPTH = 3
+
+
+def _bin_header(length: int) -> bytes:
+    """msgpack's header of a bin of `length` bytes (bin 8/16/32, as msgpack picks)."""
+    if length <= 0xFF:
+        return bytes((0xC4, length))
+    if length <= 0xFFFF:
+        return b"\xc5" + length.to_bytes(2, "big")
+    return b"\xc6" + length.to_bytes(4, "big")
+
+
+def pack_parts(message: dict[str, Any]) -> list[bytes]:
+    """`pack(message)` in parts whose join is that message: large bytes values (up to
+    _LARGE_DEPTH containers deep) are parts of their own, not copied (the journal
+    copies the parts once, into its segment)."""
+    packer = msgpack.Packer(use_bin_type=True, unicode_errors="surrogateescape", autoreset=False)
+    parts: list[bytes] = []
+
+    def large(value: Any, depth: int = _LARGE_DEPTH) -> bool:
+        if type(value) is bytes:
+            return len(value) >= _LARGE_BYTES
+        if depth and type(value) in (list, tuple):
+            return any(large(item, depth - 1) for item in value)
+        if depth and type(value) is dict:
+            return any(large(item, depth - 1) for item in value.values())
+        return False
+
+    def walk(value: Any) -> None:
+        if not large(value):
+            packer.pack(value)
+        elif type(value) is bytes:
+            parts.extend((packer.bytes(), _bin_header(len(value)), value))
+            packer.reset()
+        elif type(value) is dict:
+            packer.pack_map_header(len(value))
+            for key, item in value.items():
+                packer.pack(key)
+                walk(item)
+        else:
+            packer.pack_array_header(len(value))
+            for item in value:
+                walk(item)
+
+    walk(message)
+    parts.append(packer.bytes())
+    return parts
+
+
+def unpack(payload: bytes | memoryview) -> dict[str, Any]:
     try:
         message = msgpack.unpackb(
             payload, raw=False, strict_map_key=False, unicode_errors="surrogateescape"

@@ -32,8 +32,9 @@ factor of two of the best choice made with hindsight.  The spin runs in C
 with the GIL released but does hold up the trio run loop for that long.
 
 Callers: the anchor creates rings and passes their fds; daemon shards
-consume requests with `receive` (trio) and push replies; clients (SDK, CLI)
-push requests and wait for replies with `receive` or `receive_blocking`.
+consume requests with `receive_view` (trio; the message is decoded before
+the next is taken, so it is not copied out of the ring's buffer) and push
+replies; clients (SDK, CLI) push requests and wait for replies with `receive` or `receive_blocking`.
 Messages are opaque bytes here; the protocol layer encodes them (msgpack).
 """
 
@@ -47,16 +48,17 @@ import math
 import mmap
 import os
 import select
-import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from slates._native import ffi, lib
 from slates.errors import InvalidArgument, VerificationFailed
+
+_Message = TypeVar("_Message", bytes, memoryview)
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -198,22 +200,36 @@ class Ring:
             raise OSError(-rc, "cannot wake the ring's consumer")
         return True
 
-    def pop(self) -> bytes | None:
-        """Take the next message, or None when the ring is empty."""
+    def pop_view(self) -> memoryview | None:
+        """Take the next message without copying it, or None when the ring is empty.
+        The view is this ring's own buffer: valid only until the next pop."""
         n = lib.ring_pop(self._live(), self._out, self.max_message)
         if n >= 0:
-            return bytes(ffi.buffer(self._out, n))
+            return memoryview(ffi.buffer(self._out, n))
         if n == -errno.EAGAIN:
             return None
         raise VerificationFailed("corrupt message in ring", reason=os.strerror(-n))
 
+    def pop(self) -> bytes | None:
+        """Take the next message, or None when the ring is empty."""
+        view = self.pop_view()
+        return None if view is None else bytes(view)
+
     async def receive(self) -> bytes:
         """Wait (trio) for the next message: spin for `spin_ns`, then park."""
+        return await self._receive(self.pop)
+
+    async def receive_view(self) -> memoryview:
+        """`receive` without the copy (`pop_view`): for a consumer that decodes each
+        message before it takes the next (the shard)."""
+        return await self._receive(self.pop_view)
+
+    async def _receive(self, pop: Callable[[], _Message | None]) -> _Message:
         import trio  # here, so that processes without trio (the bridge) start quickly
 
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
-            data = self.pop()
+            data = pop()
             if data is not None:
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return data
@@ -392,7 +408,7 @@ def calibrate_spin(rounds: int = 200) -> int:
         os.sched_setaffinity(0, allowed)
         os.close(ping)
         os.close(pong)
-    wake = int(statistics.median(samples)) // 2
+    wake = sorted(samples)[len(samples) // 2] // 2
     return min(MAX_SPIN_NS, max(MIN_SPIN_NS, wake))
 
 

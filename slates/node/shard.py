@@ -71,7 +71,7 @@ from slates.errors import (
 )
 from slates.node.arena import ArenaChunks
 from slates.node.checkpoints import Checkpoints
-from slates.node.events import Event, from_wire, to_wire
+from slates.node.events import Event, RecordApplied, from_wire, to_wire
 from slates.node.jobs import Io, Job, Outcome, Sent, Thrown
 from slates.node.journal import Journal, Segment
 from slates.node.memory import segment_bytes, shard_memory, trim_heap
@@ -86,6 +86,7 @@ from slates.node.protocol import (
     error_reply,
     frame,
     pack,
+    pack_parts,
     parse_hello,
     parse_request,
     unpack,
@@ -109,6 +110,10 @@ __all__ = [
 CHECKPOINT_EVERY_BYTES = int(os.environ.get("SLATES_CHECKPOINT_BYTES", 64 << 20))
 CHECKPOINT_EVERY_EVENTS = int(os.environ.get("SLATES_CHECKPOINT_EVENTS", 20_000))
 CHECKPOINT_FREED_BYTES = int(os.environ.get("SLATES_CHECKPOINT_FREED_BYTES", 64 << 20))
+# A commit with a record this large is journaled from its parts (protocol.pack_parts).
+LARGE_RECORD = 64 << 10
+# Journal pages a shard keeps across checkpoints, at most (and at most 1/16 of its host).
+JOURNAL_WARM_BYTES = CHECKPOINT_EVERY_BYTES
 MAX_CONNECTIONS = 256
 # Requests that make or delete volumes: the names file is written after them.
 NAMING_OPS = frozenset({"volume.create", "volume.delete", "green.create", "work.create", "clone"})
@@ -198,6 +203,8 @@ class Shard:
         self.segment_fds = (journal_fd, checkpoint_fd, arena_fd)
         # Room kept for deletions and the largest frame (a small segment keeps a quarter).
         self.journal_headroom = min(JOURNAL_HEADROOM, self.journal.segment.size // 4)
+        # Journal pages kept across checkpoints (counted against the host, so bounded by it).
+        self.journal_warm = min(JOURNAL_WARM_BYTES, capacity // 16)
         self.trim_mark = 0  # the most private bytes held since the heap was last trimmed
         self.events_since = 0  # events committed since the last checkpoint
         self.private_peak = 0  # the most private bytes held since the last checkpoint
@@ -220,8 +227,9 @@ class Shard:
         published = self.checkpoints.read()
         generation = 0
         if published is not None:
-            generation, blob = published
-            self.service.restore(blob)
+            generation, document = published
+            self.service.restore(document, self.checkpoints)
+            self.checkpoints.loaded()  # its free map: what the loaded buffers do not use
         replayed = 0
         if self.journal.generation == generation:
             for payload in self.journal.entries():
@@ -262,11 +270,11 @@ class Shard:
         shard goes on serving, refusing new work once the journal is short of room."""
         generation = self.journal.generation + 1
         try:
-            self.checkpoints.write(generation, self.service.checkpoint_pieces())
+            self.checkpoints.write(generation, self.service.checkpoint_document)
         except CapacityExhausted as exc:
             _log(f"cannot checkpoint ({exc}); the journal keeps every event")
             return
-        self.journal.start_generation(generation)
+        self.journal.start_generation(generation, keep=self.journal_warm)
         self.events_since = 0
         self.private_peak = self.host.private_bytes
         self._account_segments()
@@ -286,7 +294,11 @@ class Shard:
     def commit(self, events: list[Event]) -> None:
         if not events:
             return
-        payload = pack({"events": [to_wire(event) for event in events]})
+        message = {"events": [to_wire(event) for event in events]}
+        # A large record (a write's data) goes into the frame without being copied into a
+        # packed message first; a commit of small events is packed in one call.
+        large = any(type(e) is RecordApplied and len(e.record) >= LARGE_RECORD for e in events)
+        payload = pack_parts(message) if large else [pack(message)]
         # No checkpoint here: the service state already holds this request's
         # effects, which must reach the journal, not a checkpoint, first.
         self.events_since += len(events)
@@ -298,7 +310,7 @@ class Shard:
         _failpoint_after_commit()
         self._account_segments()
 
-    def handle(self, hello: Hello, message: bytes) -> bytes | Job:
+    def handle(self, hello: Hello, message: bytes | memoryview) -> bytes | Job:
         """One request's packed reply, or the job a long request became (see answer)."""
         try:
             request = parse_request(unpack(message))
@@ -322,7 +334,7 @@ class Shard:
             return reply
         return self._answered(request, reply)
 
-    async def answer(self, hello: Hello, message: bytes) -> bytes:
+    async def answer(self, hello: Hello, message: bytes | memoryview) -> bytes:
         """The packed reply to one request; a long request's job runs to its end here,
         its I/O in worker threads and other connections' requests between its steps."""
         outcome = self.handle(hello, message)
@@ -495,7 +507,7 @@ class Shard:
                 # the socket's end is also the client's end.
                 nursery.start_soon(self._socket_requests, conn, reader, hello, nursery.cancel_scope)
                 while True:
-                    message = await pair.requests.receive()
+                    message = await pair.requests.receive_view()
                     reply = await self.answer(hello, message)
                     await self.deliver(hello.client)
                     if len(reply) > pair.replies.max_message:

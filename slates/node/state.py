@@ -19,6 +19,7 @@ given reads source directories, for volumes over live bases).
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +28,7 @@ from typing import Any
 import msgpack
 
 from slates.core import checkpoint
+from slates.core.checkpoint import PageStore
 from slates.core.host import Host
 from slates.core.records import Record, TakeSnapshot, decode, encode
 from slates.core.volume import BaseReader, Capacity, Snapshot, Volume, held
@@ -388,6 +390,22 @@ class ShardState:
         The core state ends with the private page buffers themselves
         (slates.core.checkpoint): write the pieces out before anything changes.
         """
+        yield self._meta()
+        yield from checkpoint.dump_state_pieces(
+            self.volumes, self.snapshots, self._base_key, host=self.host
+        )
+
+    def checkpoint_document(self, pages: PageStore) -> tuple[bytes, Callable[[], None]]:
+        """The shard's checkpoint with its page buffers placed in `pages` (the shard's
+        checkpoint segment): [meta length u64][meta][core document], and what to call
+        once it is published (the volumes then remember where their buffers are)."""
+        document, placement = checkpoint.dump_placed(
+            self.volumes, self.snapshots, self._base_key, pages, host=self.host
+        )
+        return self._meta() + document, functools.partial(checkpoint.mark_placed, placement)
+
+    def _meta(self) -> bytes:
+        """[meta length u64][meta]: everything but the volumes and snapshots."""
         meta = {
             "names": self.names,
             "base_keys": self.base_keys,
@@ -402,11 +420,7 @@ class ShardState:
             **self.ledger.to_wire(),
         }
         head: bytes = msgpack.packb(meta, use_bin_type=True, unicode_errors="surrogateescape")
-        yield _META_LENGTH.pack(len(head))
-        yield head
-        yield from checkpoint.dump_state_pieces(
-            self.volumes, self.snapshots, self._base_key, host=self.host
-        )
+        return _META_LENGTH.pack(len(head)) + head
 
     @staticmethod
     def _base_key(base: BaseReader) -> str:
@@ -415,7 +429,9 @@ class ShardState:
             raise InvalidArgument("this base reader cannot be checkpointed")
         return root
 
-    def restore(self, blob: bytes | memoryview) -> None:
+    def restore(self, blob: bytes | memoryview, pages: PageStore | None = None) -> None:
+        """Load a checkpoint: a blob of `checkpoint`, or a document of
+        `checkpoint_document` with the store its buffers were placed in."""
         view = memoryview(blob)
         try:
             (length,) = _META_LENGTH.unpack_from(view, 0)
@@ -428,7 +444,7 @@ class ShardState:
                 unicode_errors="surrogateescape",
             )
             loaded = checkpoint.load_state(
-                view[_META_LENGTH.size + length :], self.host, self.open_base
+                view[_META_LENGTH.size + length :], self.host, self.open_base, pages=pages
             )
             self.names = dict(meta["names"])
             self.base_keys = dict(meta["base_keys"])
