@@ -33,8 +33,12 @@ class Service:
         return [int(s["pid"]) for s in shards]
 
     def kill_shard(self, index: int) -> int:
-        """SIGKILL one shard; returns the pid killed."""
+        """SIGKILL one shard; returns the pid killed.  ProcessLookupError while the
+        shard has no process (the state file says pid 0 between a death and its
+        restart): os.kill(0, ...) would kill this test's own process group."""
         pid = self.shard_pids()[index]
+        if pid <= 0:
+            raise ProcessLookupError(f"shard {index} has no process now")
         os.kill(pid, signal.SIGKILL)
         return pid
 
@@ -42,7 +46,7 @@ class Service:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             pid = self.shard_pids()[index]
-            if pid != old_pid:
+            if pid not in (old_pid, 0):  # 0: between the death and the restart
                 return pid
             time.sleep(0.02)
         raise AssertionError(f"shard {index} was not restarted")

@@ -217,6 +217,8 @@ class Runtime:
 
 
 def pid_alive(pid: int) -> bool:
+    if pid <= 0:  # 0 is "no process yet" in the state file; kill(0) would name our group
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
