@@ -12,10 +12,16 @@ a new file, a new directory and a removal, and `submit --durability host`
 on h2 makes a version that h1 reads; h4's work volume of version 0 changing
 the same line is answered a structured conflict; a piece damaged by the
 serving holder (the links' test fault) is refused VerificationFailed with
-nothing stored on h4, and read whole at the next try; last, h1 killed, a
-remote work volume on h4 (made on version 1 before the loss) submits to the
-green's new owner, which serves the new version under the green's fleet
-name.  First-read throughput is printed, never asserted.  Runs as root.
+nothing stored on h4, and read whole at the next try; a submission from h2
+whose reply h1 drops once (the links' test fault) is resent by h2's link
+over a new connection and answered the original version, h1 running it
+once (one new version, not two); h2's shard SIGKILLed and restarted by its
+anchor replays w2 onto the version it made, and w2 submits again with only
+its new change; last, h1 killed, a remote work volume on h4 (made on the
+head before the loss) submits to the green's new owner, which serves the
+new version under the green's fleet name.  After each submission that made
+a version, w2 is on that version (`rebased`), as a local work volume.
+First-read throughput is printed, never asserted.  Runs as root.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -39,11 +46,13 @@ import pytest
 from slates.errors import VerificationFailed
 from slates.fleet.link_client import call_link, link_socket
 from slates.sdk.client import Client
+from slates_cli.commands import CONFLICT_EXIT
 from tests.testbed_bed import PYTHON, TestbedCalls, wait_for
 
 HOSTS = ("h1", "h2", "h3", "h4")
 SEED = int.from_bytes(os.urandom(4), "big")
 BIG = 9 << 20  # three pieces (slates.fleet.replica.CHUNK_BYTES is 4 MiB)
+README_UID, README_GID, README_MTIME = 1234, 5678, 1_600_000_000_123_456_789
 
 
 @dataclasses.dataclass
@@ -77,6 +86,8 @@ def _source(root: Path) -> None:
     (root / "docs").mkdir()
     (root / "src" / "main.c").write_bytes(b"int main(void) {\n    return 0;\n}\n")
     (root / "README").write_bytes(b"first line\nsecond line\nthird line\n")
+    os.chown(root / "README", README_UID, README_GID)
+    os.utime(root / "README", ns=(README_MTIME, README_MTIME))
     (root / "docs" / "old.txt").write_bytes(b"to be removed\n")
     (root / "big.bin").write_bytes(rng.randbytes(BIG))
     os.symlink("src/main.c", root / "main-link")
@@ -127,6 +138,11 @@ def test_work_create_on_h2_makes_the_volume_on_h2(bed: Bed) -> None:
     assert "w2" not in {v["name"] for v in bed.json("h1", "volume", "list")}
     listed = bed.slates("h2", "ls", "w2", "/")
     assert listed.returncode == 0 and "big.bin" in listed.stdout and "main-link" in listed.stdout
+    with bed.client("h2") as h2:  # the tree record keeps owner, group, mode and time
+        readme = h2.stat(made["id"], "/README")
+        source = os.stat(bed.source / "README")
+    assert (readme["uid"], readme["gid"]) == (README_UID, README_GID), readme
+    assert readme["mtime_ns"] == README_MTIME and readme["mode"] & 0o7777 == source.st_mode & 0o7777
 
 
 def test_reads_on_h4_fetch_from_the_holders_and_only_once(bed: Bed) -> None:
@@ -178,8 +194,10 @@ def test_a_mount_on_h2_is_edited_and_submitted_and_h1_reads_it(bed: Bed) -> None
         assert h1.read(green, "/notes/new.txt") == b"written on h2\n"
         assert "docs" not in {e["name"] for e in h1.list(green, "/")}
         assert not [v for v in h1.list_volumes() if v["name"].startswith("fleet-remote-")]
-    again = bed.slates("h2", "submit", "w2")
-    assert again.returncode != 0 and "NotSupported" in again.stderr  # no remote rebase yet
+    assert submitted["rebased"] is True  # w2 is on the version it made
+    assert bed.json("h2", "volume", "show", "w2")["remote"]["version"] == 1
+    again = bed.json("h2", "submit", "w2")
+    assert again["ok"] is True and again["made_version"] is False, again  # nothing new
 
 
 def test_a_conflicting_submission_from_h4_comes_back_structured(bed: Bed) -> None:
@@ -211,10 +229,86 @@ def test_a_damaged_piece_is_refused_and_nothing_is_stored(bed: Bed) -> None:
         assert h4.show_volume(work)["remote"]["fetched_chunks"] == 1
 
 
+def test_a_lost_reply_retried_over_a_new_connection_answers_the_original_version(
+    bed: Bed,
+) -> None:
+    runs_before = bed.link("h1", {"op": "remote.stats"})["submissions"]["runs"]
+    reconnects_before = _reconnects(bed, "h2")
+    bed.link("h1", {"op": "remote.drop_replies", "count": 1})
+    with bed.client("h2") as h2:
+        h2.write(bed.works["w2"], "/retried.txt", b"sent once\n")
+        result = h2.submit(bed.works["w2"], durability="host")
+    assert result["ok"] is True and result["version"] == 2 and result["rebased"] is True, result
+    assert result["durability"] == "host", result  # the kept reply waits too
+    after = bed.link("h1", {"op": "remote.stats"})["submissions"]
+    assert after["runs"] == runs_before + 1  # the retry got the kept reply, nothing ran again
+    assert _reconnects(bed, "h2") > reconnects_before  # over a new connection
+    with bed.client("h1") as h1:
+        green = bed.green.partition("@")[0]
+        assert h1.versions(green) == 2  # one new version, not two
+        assert h1.read(green, "/retried.txt") == b"sent once\n"
+
+
+def _reconnects(bed: Bed, host: str) -> int:
+    return int(bed.link(host, {"op": "remote.stats"})["reconnects"])
+
+
+def test_a_moved_remote_volume_survives_its_shard_killed(bed: Bed) -> None:
+    work = bed.works["w2"]
+    shard = int(work.split("-")[1])
+    status = bed.json("h2", "status")
+    pid = int(status["shards"][shard]["pid"])
+    os.kill(pid, signal.SIGKILL)
+
+    def restarted() -> bool:
+        found = bed.json("h2", "status")["shards"][shard]
+        return bool(found["state"] == "serving" and found["pid"] != pid)
+
+    wait_for("the shard on h2 to restart", restarted)
+    shown = bed.json("h2", "volume", "show", "w2")
+    assert shown["remote"]["version"] == 2, shown  # the move was journaled
+    with bed.client("h2") as h2:
+        assert h2.read(work, "/retried.txt") == b"sent once\n"
+        h2.write(work, "/retried.txt", b"sent twice\n")
+        result = h2.submit(work, durability="host")  # on the holders before h1 is killed
+    assert result["ok"] is True and result["version"] == 3, result
+    assert result["paths"] == ["/retried.txt"], result  # only what changed since version 2
+
+
+def test_slates_rebase_moves_a_remote_volume_onto_the_head_keeping_its_edits(bed: Bed) -> None:
+    with bed.client("h2") as h2, bed.client("h3") as h3:
+        mine = h2.create_work(bed.green, "wr")["id"]
+        start = h2.show_volume(mine)["remote"]["version"]
+        h2.write(mine, "/mine.txt", b"mine\n")
+        theirs = h3.create_work(bed.green, "w3")["id"]  # remote on h3 too
+        h3.write(theirs, "/theirs.txt", b"theirs\n")
+        assert h3.submit(theirs, durability="host")["version"] == start + 1
+    moved = bed.json("h2", "rebase", "wr")
+    assert moved["ok"] is True and moved["version"] == start + 1, moved
+    with bed.client("h2") as h2, bed.client("h3") as h3:
+        assert h2.show_volume(mine)["remote"]["version"] == start + 1
+        assert h2.read(mine, "/mine.txt") == b"mine\n"  # kept
+        assert h2.read(mine, "/theirs.txt") == b"theirs\n"  # the green's
+        h2.write(mine, "/both.txt", b"from h2\n")
+        h3.write(theirs, "/both.txt", b"from h3\n")
+        assert h3.submit(theirs, durability="host")["version"] == start + 2
+    refused = bed.slates("h2", "rebase", "wr", "--json")
+    assert refused.returncode == CONFLICT_EXIT and "Conflict" in refused.stderr, refused
+    answer = json.loads(refused.stdout)
+    assert [(c["path"], c["version"]) for c in answer["conflicts"]] == [("/both.txt", start + 2)]
+    shown = bed.slates("h2", "rebase", "wr")  # the table a person reads
+    assert shown.returncode == CONFLICT_EXIT and "/both.txt" in shown.stdout, shown
+    with bed.client("h2") as h2:
+        assert h2.show_volume(mine)["remote"]["version"] == start + 1  # nothing moved
+        assert h2.read(mine, "/both.txt") == b"from h2\n"
+
+
 def test_after_h1_dies_a_remote_work_volume_submits_to_the_new_owner(bed: Bed) -> None:
     with bed.client("h4") as h4:
-        work = h4.create_work(bed.green, "w4-after")["id"]  # on version 1, before the loss
+        work = h4.create_work(bed.green, "w4-after")["id"]  # on the head, before the loss
         assert h4.read(work, "/README") == b"first line\nSECOND LINE\nthird line\n"
+    with bed.client("h1") as h1:
+        head = h1.versions(bed.green.partition("@")[0])
     bed.ok("kill", "h1")
 
     def new_owner() -> str | None:
@@ -232,6 +326,6 @@ def test_after_h1_dies_a_remote_work_volume_submits_to_the_new_owner(bed: Bed) -
         return found
 
     result = wait_for("the new owner to accept h4's submission", submitted, timeout=60)
-    assert result["ok"] is True and result["version"] == 2, result
+    assert result["ok"] is True and result["version"] == head + 1, result
     with bed.client(owner) as there:  # by the green's fleet name: its link translates it
         assert there.read(bed.green, "/after.txt") == b"after h1\n"

@@ -14,22 +14,28 @@ from __future__ import annotations
 
 import posixpath
 import random
-from typing import Any
+import types
+from typing import Any, ClassVar
 
 import blake3
+import msgpack
 import pytest
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from slates.base.live import LiveDirectory
 from slates.core.host import Host
-from slates.errors import MissingContent, VerificationFailed
-from slates.fleet.replica import CHUNK_BYTES, TreeEntry, encode_tree, file_chunks
+from slates.errors import MissingContent, Unavailable, VerificationFailed
+from slates.fleet.config import Peer
+from slates.fleet.link_submit import Submissions
+from slates.fleet.replica import CHUNK_BYTES, TreeEntry, decode_tree, encode_tree, file_chunks
 from slates.node.events import Event
+from slates.node.jobs import Io, Job
 from slates.node.protocol import Request
 from slates.node.remote_base import READ_AHEAD_BYTES, RemoteBase, RemoteKey
-from slates.node.remote_ops import LinkCalls, changes, verified
+from slates.node.remote_ops import LinkCalls, changes, rebase_plan, verified
 from slates.node.service import ShardService
 from tests.jobs_inline import finish
 
@@ -38,20 +44,33 @@ NAMES = ("a", "b", "c")
 
 
 class FakeLink(LinkCalls):
-    """The fleet link as a holder of one version's tree and pieces."""
+    """The fleet link as a holder of a green's versions, their trees and pieces; with a
+    `model` (version 0's files and directories) a submission makes the next version."""
 
-    def __init__(self, tree: bytes, pieces: dict[bytes, bytes]) -> None:
+    def __init__(
+        self,
+        tree: bytes,
+        pieces: dict[bytes, bytes],
+        model: tuple[dict[str, bytes], set[str]] | None = None,
+    ) -> None:
         super().__init__(None)
-        self.tree = tree
+        self.trees = [tree]
+        self.models = None if model is None else [model]
         self.pieces = pieces
         self.served: list[bytes] = []
         self.damage = 0
         self.submitted: list[list[Any]] = []
+        self.requests: list[str] = []
+
+    def on_fleet(self) -> bool:
+        return True
 
     def call(self, message: dict[str, Any], timeout: float = 60.0) -> Any:
         match message["op"]:
             case "remote.tree":
-                return {"version": 0, "tree": self.tree, "source": "h2"}
+                version = message["version"]
+                version = len(self.trees) - 1 if version is None else version
+                return {"version": version, "tree": self.trees[version], "source": "h2"}
             case "remote.chunks":
                 out = []
                 for chunk, _size in message["chunks"]:
@@ -64,7 +83,18 @@ class FakeLink(LinkCalls):
                 return {"chunks": out, "sources": {"h2": len(out)}}
             case "remote.submit":
                 self.submitted.append(message["ops"])
-                return {"ok": True, "version": 1, "made_version": True, "conflicts": []}
+                self.requests.append(message["request"])
+                tree = self.trees[-1]
+                if self.models is not None:
+                    files, dirs = self.models[message["version"]]
+                    files, dirs = dict(files), set(dirs)
+                    apply_ops(files, dirs, message["ops"])
+                    tree, pieces = make_tree(files, dirs)
+                    self.pieces.update(pieces)
+                    self.models.append((files, dirs))
+                self.trees.append(tree)
+                version = len(self.trees) - 1
+                return {"ok": True, "version": version, "made_version": True, "conflicts": []}
         raise AssertionError(message)
 
 
@@ -252,18 +282,162 @@ def test_a_second_volume_of_the_version_shares_the_pieces() -> None:
     assert len(link.served) == 1
     shard.call("volume.delete", volume=one)
     shard.call("volume.delete", volume=two)
-    shard.call("gc")  # nothing uses the version now: its tree and pieces go
+    shard.call("gc")  # nothing uses the version now, but the journal names it
+    assert shard.service.host.chunk_count == 2  # its tree and its piece, for a replay
+    # A checkpoint published without the volumes (ShardService.checkpoint_document's hook):
+    # the journal after it needs nothing of the version.
+    shard.service.remote.checkpointed(shard.service.remote.in_use())
+    shard.call("gc")
     assert shard.service.host.chunk_count == 0
 
 
-def test_a_submission_is_refused_after_it_made_a_version() -> None:
-    tree, pieces = make_tree({"/a": b"z"}, set())
-    shard = Shard(FakeLink(tree, pieces))
+def test_a_submission_moves_the_volume_onto_its_version_also_after_a_replay() -> None:
+    files, dirs = {"/a": b"z", "/d/b": b"in d\n"}, {"/d"}
+    tree, pieces = make_tree(files, dirs)
+    link = FakeLink(tree, pieces, model=(files, dirs))
+    shard = Shard(link)
     work = shard.call("work.create", green=GREEN, name="w")["id"]
     shard.call("write", volume=work, path="/n", data=b"new")
-    assert shard.call("submit", volume=work)["version"] == 1
-    with pytest.raises(AssertionError, match="NotSupported"):
-        shard.call("submit", volume=work)
+    first = shard.call("submit", volume=work)
+    assert first["version"] == 1 and first["rebased"] is True, first
+    assert shard.call("volume.show", volume=work)["remote"]["version"] == 1
+    served = len(link.served)
+    assert shard.call("read", volume=work, path="/n") == b"new"  # now the base's
+    assert len(link.served) == served  # its piece was kept from the submission
+    shard.call("write", volume=work, path="/a", data=b"second")
+    second = shard.call("submit", volume=work)
+    assert second["version"] == 2 and second["rebased"] is True
+    assert [[op, a["path"]] for op, a in link.submitted[1]] == [["write", "/a"]]  # only that
+    assert link.requests[0] != link.requests[1]
+    # The moves are journaled as events a replay applies: the same volume, on version 2;
+    # what the replay reads of the versions before is kept until a checkpoint.
+    shard.call("gc")
+    replayed = Shard(link, Host(chunks=dict(shard.service.host._chunks)))
+    batch: list[Event] = []
+    for event in shard.events:  # batch by batch, as the shard replays its journal
+        batch.append(event)
+        if type(event).__name__ == "ReplySaved":
+            replayed.service.replay(batch)
+            batch = []
+    replayed.seq = shard.seq
+    assert replayed.call("volume.show", volume=work)["remote"]["version"] == 2
+    assert replayed.call("read", volume=work, path="/a") == b"second"
+    assert replayed.call("read", volume=work, path="/d/b") == b"in d\n"
+    names = {v["name"] for v in replayed.call("volume.list")}
+    assert names == {"w"}  # the moves' carrier volumes are gone
+
+
+def test_a_retried_submit_carries_the_identity_of_the_first() -> None:
+    tree, pieces = make_tree({"/a": b"z"}, set())
+    link = FakeLink(tree, pieces)
+    shard = Shard(link)
+    work = shard.call("work.create", green=GREEN, name="w")["id"]
+    shard.call("write", volume=work, path="/n", data=b"new")
+    shard.seq += 1
+    request = Request(shard.seq, shard.seq - 1, "submit", {"volume": work})
+    job, _events = shard.service.handle("t", request, shard.seq)
+    assert isinstance(job, Job) and isinstance(job.waiting, Io)
+    job.waiting.fn()  # the submission reaches the owner, then its connection goes away
+    shard.service.abandon(job)
+    reply, _events = finish(shard.service, *shard.service.handle("t", request, shard.seq))
+    assert reply["ok"] is True
+    assert link.requests[0] == link.requests[1]  # the owner's link answers its kept reply
+    shard.call("write", volume=work, path="/m", data=b"more")
+    shard.call("submit", volume=work)
+    assert link.requests[2] != link.requests[0]
+
+
+def test_a_remote_rebase_keeps_the_changes_or_answers_conflicts() -> None:
+    files: dict[str, bytes] = {"/a": b"one\n", "/b": b"two\n"}
+    dirs: set[str] = set()
+    tree, pieces = make_tree(files, dirs)
+    link = FakeLink(tree, pieces, model=(files, dirs))
+    shard = Shard(link)
+    mine = shard.call("work.create", green=GREEN, name="mine")["id"]
+    other = shard.call("work.create", green=GREEN, name="other")["id"]
+    shard.call("write", volume=other, path="/b", data=b"TWO\n")
+    assert shard.call("submit", volume=other)["version"] == 1
+    shard.call("write", volume=mine, path="/a", data=b"ONE\n")
+    shard.call("write", volume=mine, path="/c", data=b"three\n")
+    moved = shard.call("rebase", volume=mine)
+    assert moved == {"ok": True, "version": 1, "conflicts": [], "remote": True}
+    assert shard.call("volume.show", volume=mine)["remote"]["version"] == 1
+    assert shard.call("read", volume=mine, path="/a") == b"ONE\n"  # kept
+    assert shard.call("read", volume=mine, path="/b") == b"TWO\n"  # the green's
+    assert shard.call("read", volume=mine, path="/c") == b"three\n"
+    shard.call("write", volume=other, path="/a", data=b"uno\n")
+    assert shard.call("submit", volume=other)["version"] == 2
+    refused = shard.call("rebase", volume=mine)
+    assert refused["ok"] is False and refused["version"] == 1
+    assert [(c["path"], c["version"]) for c in refused["conflicts"]] == [("/a", 2)]
+    assert shard.call("volume.show", volume=mine)["remote"]["version"] == 1  # not moved
+
+
+@given(
+    ours=st.dictionaries(st.sampled_from(["/a", "/b", "/c"]), st.binary(max_size=8), max_size=3),
+    theirs=st.dictionaries(st.sampled_from(["/a", "/b", "/c"]), st.binary(max_size=8), max_size=3),
+)
+def test_rebase_plan_conflicts_exactly_where_both_changed_differently(
+    ours: dict[str, bytes], theirs: dict[str, bytes]
+) -> None:
+    start = {"/a": b"a", "/b": b"b"}
+    base = RemoteBase(*_keyed(make_tree(start, set())[0]), lambda _c: None)
+    onto = RemoteBase(*_keyed(make_tree({**start, **theirs}, set())[0]), lambda _c: None)
+    ops: list[list[Any]] = [
+        ["write", {"path": p, "data": d, "truncate": True, "mode": 0o644}] for p, d in ours.items()
+    ]
+    kept, conflicts = rebase_plan(ops, base, onto)
+    changed_there = {p for p, d in theirs.items() if start.get(p) != d}
+    expected = {p for p, d in ours.items() if p in changed_there and theirs[p] != d}
+    assert {c["path"] for c in conflicts} == expected
+    assert {a["path"] for _op, a in kept} == set(ours) - changed_there
+
+
+def _keyed(tree: bytes) -> tuple[RemoteKey, bytes]:
+    return RemoteKey(GREEN, 0, blake3.blake3(tree).digest()), tree
+
+
+def test_an_owner_runs_a_submission_once_and_answers_its_retries() -> None:
+    class Owning:
+        me = Peer("h1", "d1")
+        configs: ClassVar[dict[str, Any]] = {}
+
+        async def config(self, green: str) -> Any:
+            return types.SimpleNamespace(owner=self.me)
+
+    runs: list[str] = []
+
+    async def run(green: str, message: dict[str, Any]) -> dict[str, Any]:
+        runs.append(message["request"])
+        await trio.sleep(0.01)
+        return {"ok": True, "version": len(runs), "made_version": True}
+
+    async def after(green: str, message: dict[str, Any], reply: dict[str, Any]) -> Any:
+        return reply
+
+    async def peer_call(host: str, payload: bytes, timeout: float) -> bytes:
+        raise AssertionError("the owner is this host")
+
+    async def main() -> None:
+        owner = Submissions("h1", Owning(), peer_call, run, after)  # type: ignore[arg-type]
+        message = {"green": GREEN, "version": 0, "ops": [], "request": "vol-0-1/t/4"}
+        answers: list[dict[str, Any]] = []
+        async with trio.open_nursery() as nursery:  # a retry while the first still runs
+            for _ in range(2):
+                nursery.start_soon(lambda: _append(answers, owner.serve("h2", message)))
+        owner.drop_replies(1)
+        with pytest.raises(Unavailable):
+            await owner.serve("h2", message)  # answered, its reply dropped
+        answers.append(await owner.serve("h2", message))
+        assert [a["version"] for a in answers] == [1, 1, 1] and len(runs) == 1
+        other = await owner.serve("h3", message)  # another host's identity is its own
+        assert other["version"] == 2 and len(runs) == 2
+
+    trio.run(main)
+
+
+async def _append(out: list[dict[str, Any]], answer: Any) -> None:
+    out.append(await answer)
 
 
 @settings(max_examples=50, deadline=None)
@@ -320,3 +494,40 @@ def test_a_checkpointed_remote_volume_reopens_its_base() -> None:
     assert restored.call("read", volume=work, path="/b") == b"r"  # fetched after the restore
     assert len(link.served) == 2
     assert restored.call("volume.show", volume=work)["remote"]["green"] == GREEN
+
+
+def test_a_remote_base_answers_owner_group_mode_and_time_of_its_record() -> None:
+    entries = [
+        TreeEntry("d", "dir", 0o750, uid=7, gid=8, mtime_ns=11),
+        TreeEntry("d/f", "file", 0o640, "", file_chunks(b"x")[0], 1001, 1002, 123_456),
+        TreeEntry("l", "symlink", 0o777, "d/f", (), 3, 4, 5),
+    ]
+    tree = encode_tree(entries)
+    base = RemoteBase(RemoteKey(GREEN, 0, blake3.blake3(tree).digest()), tree, lambda _c: None)
+    found = base.stat("/d/f")
+    assert found is not None
+    assert (found.uid, found.gid, found.mode, found.mtime_ns) == (1001, 1002, 0o640, 123_456)
+    assert found.size == 1
+    link = base.stat("/l")
+    assert link is not None and (link.uid, link.gid, link.mtime_ns) == (3, 4, 5)
+    directory = base.stat("/d")
+    assert directory is not None and (directory.uid, directory.mode) == (7, 0o750)
+
+
+def test_a_format_1_tree_record_still_reads_with_owner_and_time_zero() -> None:
+    old = msgpack.packb([1, [["a", "file", 0o644, "", [[b"\x01" * 32, 3]]]]], use_bin_type=True)
+    (entry,) = decode_tree(old)
+    assert (entry.path, entry.size, entry.uid, entry.gid, entry.mtime_ns) == ("a", 3, 0, 0, 0)
+
+
+@given(
+    uid=st.integers(0, 1 << 32),
+    gid=st.integers(0, 1 << 32),
+    mtime_ns=st.integers(0, 1 << 63),
+    mode=st.integers(0, 0o7777),
+)
+def test_tree_records_keep_owner_group_mode_and_time(
+    uid: int, gid: int, mtime_ns: int, mode: int
+) -> None:
+    entry = TreeEntry("f", "file", mode, "", file_chunks(b"data")[0], uid, gid, mtime_ns)
+    assert decode_tree(encode_tree([entry])) == (entry,)

@@ -40,9 +40,7 @@ it) and is the host's only speaker to other hosts.  At start it
    successor (one etcd transaction comparing the old epoch, then
    recovery from the holders), and serves them under their fleet names.
 
-fleet.sock speaks framed msgpack (slates.node.protocol's frame/pack/unpack),
-any number of requests per connection, one at a time, each answered
-`{"ok": true, "result": ...}` or `{"ok": false, "error": {...}}`:
+fleet.sock (slates.fleet.link_local) takes these requests:
 
 - `{"op": "forward", "host": H, "shard": N, "client": C, "request": R}`: run
   wire request R on host H's shard N as client C; the result is the
@@ -58,43 +56,20 @@ any number of requests per connection, one at a time, each answered
   answer `{"durability", "scopes", ...}`; H ("" for this host) is where
   the work volume lives, whose link does the waiting;
 - `{"op": "remote.tree" | "remote.chunks" | "remote.submit" | "remote.stats" |
-  "remote.damage", ...}`: remote work volumes, a shard's asks for another
-  host's green version (its tree record, its pieces, a submission on the
-  owner), slates.fleet.link_remote's (peers ask each other as `{"kind":
-  "remote"}` over QUIC);
+  "remote.damage" | "remote.drop_replies", ...}`: remote work volumes, a
+  shard's asks for another host's green version (its tree record, its
+  pieces: slates.fleet.link_remote; a submission, run once on the owner:
+  slates.fleet.link_submit; peers ask each other as `{"kind": "remote"}`
+  over QUIC);
 - `{"op": "takeover", "green": NAME, "epoch": E}`: commit this host as
   NAME's owner at E+1 and recover it, as a failed verdict does;
   EpochFenced (with the committed owner) when etcd is no longer at E,
   InvalidArgument while serf sees the owner's host alive (its shard
   would go on accepting submissions: no live moves yet).
 
-Routing by ownership.  A forward names the host whose ids it carries
-(`names`, the volume's original owner; the target host by default).  When
-the cached configuration of the green such an id names (`<id>@<names>`)
-has an owner on another host than the target, the link answers NotOwner
-with `owner_host` and the client resends there (slates.fleet.link_client).
-The serving link refuses the same way, and translates the ids of a green
-it adopted into its local copy's (as another client id,
-link_rules.adopted_client_id, since the client numbers its requests per
-original host); new volumes it makes for such a request are answered as
-`<id>@<this host>`.  A local client's forward to another host for a green
-this host owns now (it took it over) is served here, not sent to the
-green's old host.  Only the link routes by ownership: a local client of
-a host's anchor reaches its shard directly (known gap, below).
-
-Requests arriving over QUIC come from a host the handshake authenticated
-against the fleet's CA; the link also requires that host to be enrolled in
-etcd (AccessDenied otherwise).  It cannot compare the peer certificate's
-fingerprint with the HostRecord's (the transport hands the handler only
-the host id): a re-issued certificate for an enrolled host id is accepted.
-
-A forward to a host serf has declared failed (or left) is refused at once
-with Unavailable, and the connection to it is dropped when the verdict
-arrives, ending the requests in flight to it with Unavailable too: the
-caller learns in milliseconds, not after the transport's timeouts, and
-may go elsewhere.  Before serf's verdict a forward to a dead
-host waits out its own timeout (LinkOptions.forward_timeout, all retries
-included).
+Routing by ownership, the trust in QUIC peers and failing fast against a
+host serf declared failed are slates.fleet.link_routing's; the framing and
+bounds of fleet.sock are slates.fleet.link_local's.
 
 Only the operator's requests are forwarded this session (link_forward's
 docstring): an agent's principal does not yet travel between hosts.
@@ -104,9 +79,9 @@ submissions from its own local clients; its link's shipping is then
 refused EpochFenced by the holders and a durability wait on it reaches
 only `restart`.
 
-Bounds: local connections (MAX_LOCAL_CONNECTIONS, then CapacityExhausted),
-local frames (MAX_LOCAL_FRAME), QUIC requests and replies (LINK_LIMITS: 17
-MiB, enough for a shard's largest read), peers and forwarding lines (link_forward),
+Bounds: local connections and frames (link_local), QUIC requests and
+replies (LINK_LIMITS: 17 MiB, enough for a shard's largest read), peers
+and forwarding lines (link_forward),
 etcd threads (ETCD_THREADS at once), greens created per poll
 (MAX_GREENS_PER_POLL) and greens remembered (MAX_REGISTERED, then the
 registration loop reports CapacityExhausted), serf events kept
@@ -137,7 +112,6 @@ import fcntl
 import json
 import os
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -148,44 +122,37 @@ from typing import Any, Final, Literal, TypeVar
 import trio
 
 from slates.errors import (
-    AccessDenied,
     AlreadyExists,
     CapacityExhausted,
     InvalidArgument,
     NotFound,
-    NotOwner,
     SlatesError,
-    Unavailable,
     VerificationFailed,
     error_from_wire,
 )
 from slates.fleet.config import GreenConfig, HolderSet, Peer
 from slates.fleet.etcd import Council, HostRecord, Lease
-from slates.fleet.hostconfig import HostConfig, load_host_config, parse_address
+from slates.fleet.hostconfig import HostConfig, load_host_config
 from slates.fleet.link_forward import PeerPool, ShardLines
+from slates.fleet.link_local import LocalSocket
 from slates.fleet.link_remote import RemoteReads
 from slates.fleet.link_replicate import Replicator
+from slates.fleet.link_routing import Routing
 from slates.fleet.link_rules import (
     Durable,
     Forward,
     LocalRequest,
     RemoteForward,
     Takeover,
-    adopted_client_id,
-    durable_payload,
     first_config,
     fleet_name,
     host_listing,
     parse_local,
-    parse_remote,
-    parse_remote_durable,
-    remote_payload,
-    volume_refs,
 )
 from slates.fleet.pki import HostCredentials, load_credentials
 from slates.fleet.quic import TransportLimits, serve
 from slates.fleet.serf import MemberEvent, MembershipWatch, SerfAgent, SerfClient
-from slates.node.protocol import FrameReader, frame, pack, unpack
+from slates.node.protocol import unpack
 from slates.node.runtime import Runtime, pid_alive
 
 __all__ = ["FleetLink", "LinkOptions", "SOCKET_NAME", "STATE_NAME", "main", "run_link"]
@@ -193,20 +160,16 @@ __all__ = ["FleetLink", "LinkOptions", "SOCKET_NAME", "STATE_NAME", "main", "run
 SOCKET_NAME: Final = "fleet.sock"
 STATE_NAME: Final = "fleet-link.json"
 LOCK_NAME: Final = "fleet-link.lock"
-MAX_LOCAL_CONNECTIONS: Final = 64
 # A shard answers at most 16 MiB per read (and the SDK reads 8 MiB pieces): requests and
 # replies up to 17 MiB cross, with fewer streams per connection to bound what is buffered
 # (32 x 17 MiB per connection at worst).  Every link uses these, so both ends agree.
 LINK_LIMITS: Final = TransportLimits(
     max_concurrent_streams=32, max_request_bytes=17 << 20, max_reply_bytes=17 << 20
 )
-MAX_LOCAL_FRAME: Final = 18 << 20
 MAX_EVENTS: Final = 64
 MAX_GREENS_PER_POLL: Final = 64
 MAX_REGISTERED: Final = 1 << 16
 ETCD_THREADS: Final = 4
-RECEIVE_BYTES: Final = 1 << 16
-ENROLLED_REFRESH_SECONDS: Final = 1.0
 
 T = TypeVar("T")
 
@@ -290,91 +253,55 @@ class FleetLink:
         )
         self.lines = ShardLines(runtime)
         self.watch = MembershipWatch(SerfClient(config.serf_rpc_address))
+        self.routing = Routing(
+            config.host_id,
+            council,
+            self._council,
+            self.lines,
+            self.watch,
+            forward_timeout=self.options.forward_timeout,
+            shard_timeout=self.options.shard_timeout,
+        )
+        self.local = LocalSocket(runtime.path / SOCKET_NAME, self.local_request)
         self.serf_agent: SerfAgent | None = None
         self.events: collections.deque[MemberEvent] = collections.deque(maxlen=MAX_EVENTS)
         self.registered: set[str] = set()
         self.conflicts: dict[str, str] = {}
-        self.peers: PeerPool | None = None
         self.lease: Lease | None = None
         self.quic_port = 0
         self._etcd = trio.CapacityLimiter(ETCD_THREADS)
-        self._enrolled: dict[str, HostRecord] = {}
-        self._enrolled_at = -1e9
         self._last_error: dict[str, str] = {}
-        self._local_connections = 0
         self._own_seq = 0
         self.ended = trio.Event()  # the anchor is gone: the link ends with it
         self.anchor_pid: int | None = None
         self._lock_fd: int | None = None
         self._own_lock = trio.Lock()
-        self._down: dict[str, trio.Event] = {}  # per host: set while serf says it is not alive
         self._nursery: trio.Nursery | None = None
         self.replicator = Replicator(
             Peer(config.host_id, self.boot_id),
             self.options.hold_bytes,
             runtime.path,
             self._own_request,
-            self._peer_request,
+            self.routing.peer_request,
             self._council,
             council,
-            self._alive_hosts,
+            self.routing.alive_hosts,
             _log,
         )
-
+        self.routing.replicator = self.replicator
         self.remote = RemoteReads(
             config.host_id,
             self.boot_id,
             self.replicator,
-            self._peer_request,
-            self.forward,
-            self._durable,
-            self._alive_hosts,
+            self.routing.peer_request,
+            self.routing.forward,
+            self.routing.alive_hosts,
         )
+        self.routing.serve_remote = self.remote.serve
 
-    def _alive_hosts(self) -> set[str]:
-        return {name for name, m in self.watch.known.items() if m.status == "alive"}
-
-    def _down_event(self, host: str) -> trio.Event:
-        event = self._down.get(host)
-        if event is None:
-            event = self._down[host] = trio.Event()
-            verdict = self.watch.known.get(host)
-            if verdict is not None and verdict.status != "alive":
-                event.set()
-        return event
-
-    async def _peer_request(self, host: str, payload: bytes, timeout: float) -> bytes:
-        """One request to a peer's link, given up at once when serf declares it failed
-        (the caller learns then, not after the transport's timeouts)."""
-        if self.peers is None:
-            raise Unavailable("the fleet link is not serving yet")
-        peers, down = self.peers, self._down_event(host)
-        if down.is_set():
-            verdict = self.watch.known.get(host)
-            status = verdict.status if verdict is not None else "failed"
-            raise Unavailable(f"serf declares the host {status}", host=host, serf=status)
-        answer: list[bytes] = []
-        failure: list[SlatesError] = []
-        async with trio.open_nursery() as nursery:
-
-            async def call() -> None:
-                try:
-                    answer.append(await peers.request(host, payload, timeout=timeout))
-                except SlatesError as exc:  # raised below as itself, not in a group
-                    failure.append(exc)
-                nursery.cancel_scope.cancel()
-
-            async def watch() -> None:
-                await down.wait()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(call)
-            nursery.start_soon(watch)
-        if failure:
-            raise failure[0]
-        if not answer:
-            raise Unavailable("serf declares the host failed", host=host, serf="failed")
-        return answer[0]
+    @property
+    def peers(self) -> PeerPool | None:
+        return self.routing.peers
 
     @property
     def socket_path(self) -> Path:
@@ -479,10 +406,11 @@ class FleetLink:
             await self._join_fleet()
             await trio.to_thread.run_sync(self._attach_serf)
             async with trio.open_nursery() as nursery:
-                self.peers = PeerPool(self.creds, self._resolve, nursery, limits=LINK_LIMITS)
+                peers = PeerPool(self.creds, self.routing.resolve, nursery, limits=LINK_LIMITS)
+                self.routing.peers = peers
                 bind = self.config.quic_endpoint
                 async with serve(
-                    bind, self.creds, self._handle_remote, limits=LINK_LIMITS
+                    bind, self.creds, self.routing.handle_remote, limits=LINK_LIMITS
                 ) as server:
                     self.quic_port = server.port
                     nursery.start_soon(self._keepalive_loop)
@@ -491,7 +419,7 @@ class FleetLink:
                     nursery.start_soon(self._ship_loop)
                     self._nursery = nursery
                     nursery.start_soon(self._anchor_loop)
-                    await nursery.start(self._serve_local)
+                    await nursery.start(self.local.serve)
                     self._write_state()
                     _log(f"serving QUIC on {bind[0]}:{server.port} and {self.socket_path}")
                     task_status.started()
@@ -499,7 +427,7 @@ class FleetLink:
                         await self.ended.wait()
                         nursery.cancel_scope.cancel()
                     finally:
-                        self.peers.close()
+                        peers.close()
         finally:
             self.lines.close()  # trio sockets close in trio's thread
             with trio.CancelScope(shield=True):
@@ -535,13 +463,7 @@ class FleetLink:
                 for event in await trio.to_thread.run_sync(self.watch.poll):
                     self.events.append(event)
                     _log(f"serf: {event.member.name} {event.kind}")
-                    if event.kind == "alive":
-                        if self._down_event(event.member.name).is_set():
-                            self._down[event.member.name] = trio.Event()
-                    else:
-                        self._down_event(event.member.name).set()  # its requests end now
-                    if event.kind != "alive" and self.peers is not None:
-                        self.peers.drop(event.member.name)  # its connection is as dead
+                    self.routing.on_verdict(event.member.name, event.kind)
                     if event.kind == "failed" and self._nursery is not None:
                         # A verdict only starts a takeover; etcd's transaction decides it.
                         self._nursery.start_soon(self._on_failed, event.member.name)
@@ -662,159 +584,21 @@ class FleetLink:
             done += 1
         return done
 
-    # -- QUIC
-
-    async def _resolve(self, host: str) -> tuple[str, int]:
-        record = await self._council(self.council.host, host)
-        if record is None:
-            raise NotFound("that host is not enrolled in the fleet", host=host)
-        return parse_address(record.quic_address, "quic_address")
-
-    async def _check_enrolled(self, host: str) -> None:
-        if host in self._enrolled:
-            return
-        now = time.monotonic()
-        if now - self._enrolled_at >= ENROLLED_REFRESH_SECONDS:
-            records = await self._council(self.council.hosts)
-            self._enrolled = {r.host: r for r in records}
-            self._enrolled_at = now
-        if host not in self._enrolled:
-            raise AccessDenied("the peer host is not enrolled in the fleet", host=host)
-
-    async def _handle_remote(self, peer_host: str, payload: bytes) -> bytes:
-        await self._check_enrolled(peer_host)
-        message = unpack(payload)
-        if not isinstance(message, dict):
-            raise InvalidArgument("a fleet request is a map")
-        match message.get("kind", "forward"):
-            case "forward":
-                return await self._serve(parse_remote(peer_host, message))
-            case "ledger":
-                return await self.replicator.handle_ledger(peer_host, message)
-            case "durable":
-                result = await self._durable(parse_remote_durable(message))
-                return pack(result)
-            case "remote":
-                return pack(await self.remote.serve(peer_host, message))
-            case kind:
-                raise InvalidArgument("unknown fleet request kind", kind=str(kind))
-
-    async def _serve(self, forward: RemoteForward) -> bytes:
-        """Run a forward on a shard of this host, its ids translated (module doc: owners)."""
-        names = forward.names or self.config.host_id
-        me = self.config.host_id
-        refs = volume_refs(forward.request)
-        shard, args, translated = forward.shard, dict(forward.request.get("args") or {}), False
-        for key, local_id in refs.items():
-            name = fleet_name(names, local_id)
-            owner = self.replicator.owner_elsewhere(name)
-            if owner is not None and owner != me:  # etcd moved it on: even an adopted copy
-                raise NotOwner("the green has another owner", green=name, owner_host=owner)
-            if names != me:
-                adopted = self.replicator.adopted.get(name)
-                if adopted is None and self.replicator.recovering(name):
-                    raise Unavailable("the green is being recovered here", green=name)
-                if adopted is None:
-                    raise NotFound("this host serves no such volume of that host", volume=name)
-                shard, args[key] = adopted
-                translated = True
-        if translated:
-            # The client numbers its requests per (original host, shard): on this shard
-            # they are another client than its requests for this host's own volumes.
-            client = adopted_client_id(names, forward.client)
-            request = {**forward.request, "args": args}
-            forward = dataclasses.replace(forward, shard=shard, client=client, request=request)
-        raw = await self.lines.run(forward, timeout=self.options.shard_timeout)
-        if not translated:
-            return raw
-        reply = unpack(raw)
-        result = reply.get("result") if isinstance(reply, dict) else None
-        if reply.get("ok") is True and isinstance(result, dict):
-            if isinstance(result.get("id"), str) and "@" not in result["id"]:
-                result["id"] = fleet_name(me, result["id"])  # a new volume here is ours
-            if isinstance(result.get("green"), str) and "@" not in result["green"]:
-                result["green"] = self.replicator.name_of(result["green"], shard)
-            return pack(reply)
-        return raw
-
-    async def _durable(self, request: Durable) -> dict[str, Any]:
-        if request.host and request.host != self.config.host_id:
-            raw = await self._peer_request(
-                request.host, pack(durable_payload(request)), request.timeout + 10
-            )
-            result = unpack(raw)
-            if not isinstance(result, dict):
-                raise VerificationFailed("a durability answer is a map")
-            return result
-        return await self.replicator.durable(
-            request.shard, request.work, request.version, request.scope, request.timeout
-        )
-
-    # -- the local socket
-
-    async def _serve_local(self, *, task_status: trio.TaskStatus[None]) -> None:
-        path = self.socket_path
-        path.unlink(missing_ok=True)
-        listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with listener:
-            previous = os.umask(0o177)  # the socket is born 0600: nobody else may connect first
-            try:
-                await listener.bind(str(path))
-            finally:
-                os.umask(previous)
-            os.chmod(path, 0o600)
-            listener.listen(MAX_LOCAL_CONNECTIONS)
-            async with trio.open_nursery() as nursery:
-                task_status.started()
-                while True:
-                    conn, _ = await listener.accept()
-                    if self._local_connections >= MAX_LOCAL_CONNECTIONS:
-                        full = CapacityExhausted(
-                            "the fleet link has as many local connections as it takes",
-                            limit=MAX_LOCAL_CONNECTIONS,
-                        )
-                        with conn, trio.move_on_after(1):
-                            await _send_all(conn, frame(pack(_error(full))))
-                        continue
-                    self._local_connections += 1
-                    nursery.start_soon(self._local_connection, conn)
-
-    async def _local_connection(self, conn: trio.socket.SocketType) -> None:
-        reader = FrameReader(limit=MAX_LOCAL_FRAME)
-        try:
-            with conn:
-                while True:
-                    try:
-                        while (message := reader.next_frame()) is None:
-                            data = await conn.recv(RECEIVE_BYTES)
-                            if not data:
-                                return
-                            reader.feed(data)
-                    except InvalidArgument as exc:  # an oversize frame: no way to resynchronize
-                        await _send_all(conn, frame(pack(_error(exc))))
-                        return
-                    try:
-                        answer = {"ok": True, "result": await self.local_request(unpack(message))}
-                    except SlatesError as exc:
-                        answer = _error(exc)
-                    await _send_all(conn, frame(pack(answer)))
-        except (OSError, trio.BrokenResourceError):
-            return
-        finally:
-            self._local_connections -= 1
-
     async def local_request(self, message: dict[str, Any]) -> Any:
         op = message.get("op") if isinstance(message, dict) else None
         if isinstance(op, str) and op.startswith("remote."):
-            return await self.remote.local(message)  # remote work volumes (link_remote)
+            found = await self.remote.local(message)  # remote work volumes (link_remote)
+            if op == "remote.stats":  # and how often a lost reply was resent anew
+                found["reconnects"] = 0 if self.peers is None else self.peers.reconnects
+            return found
         request = parse_local(message)
         match request:
             case Forward():
-                return await self.forward(request)
+                return await self.routing.forward(request)
             case LocalRequest(op="hosts"):
                 return await self.hosts()
             case Durable():
-                return await self._durable(request)
+                return await self.routing.durable(request)
             case Takeover(green=green, epoch=epoch):
                 current = await self.replicator.config(green, epoch)
                 verdict = self.watch.known.get(current.owner.host)
@@ -835,42 +619,6 @@ class FleetLink:
             case _:
                 raise InvalidArgument("unknown fleet link request", request=repr(request))
 
-    async def forward(self, request: Forward) -> bytes:
-        names = request.names or request.host
-        for local_id in volume_refs(request.request).values():
-            owner = self.replicator.owner_elsewhere(fleet_name(names, local_id))
-            if owner is not None and owner != request.host:
-                # etcd has committed another owner: the client follows it (same request id).
-                raise NotOwner(
-                    "the green has another owner",
-                    green=fleet_name(names, local_id),
-                    owner_host=owner,
-                )
-        me = self.config.host_id
-        refs = volume_refs(request.request).values()
-        if request.host != me and refs and all(self._owned_here(names, r) for r in refs):
-            # This host took the green over: serve it here (its old host may be gone).
-            request = dataclasses.replace(request, host=me, names=names)
-        if request.host == self.config.host_id:
-            remote = RemoteForward(
-                request.host,
-                request.shard,
-                request.client,
-                request.request,
-                "" if names == request.host else names,
-            )
-            return await self._serve(remote)
-        if self.peers is None:
-            raise Unavailable("the fleet link is not serving yet")
-        # Fail fast: waiting out timeouts against a host serf declared gone helps nobody.
-        return await self._peer_request(
-            request.host, pack(remote_payload(request)), self.options.forward_timeout
-        )
-
-    def _owned_here(self, names: str, local_id: str) -> bool:
-        config = self.replicator.configs.get(fleet_name(names, local_id))
-        return config is not None and config.owner == self.replicator.me
-
     async def hosts(self) -> dict[str, Any]:
         records = await self._council(self.council.hosts)
         alive = await self._council(self.council.alive_hosts)
@@ -890,17 +638,6 @@ class FleetLink:
                 if self.replicator.holder.accepted(name)
             },
         }
-
-
-def _error(error: SlatesError) -> dict[str, Any]:
-    return {"ok": False, "error": error.to_wire()}
-
-
-async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        sent = await sock.send(view)
-        view = view[sent:]
 
 
 async def _run_until_signalled(link: FleetLink) -> None:

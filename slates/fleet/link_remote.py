@@ -19,25 +19,25 @@ volume of another host's green asks its link, on fleet.sock:
   {host: count}}`.  The link passes the bytes on as they came: the shard
   checks every piece against its id before it stores any (so a damaged
   piece is refused where it would be stored).
-- `{"op": "remote.submit", "green", "version", "ops", "dry_run"?,
-  "durability"?, "durability_timeout"?}`: on the green's committed owner
-  (etcd's configuration; NotOwner refreshes it and goes again, at most
-  OWNER_ATTEMPTS times), a scratch work volume of version V
-  (`fleet-remote-*`) gets the ops (shard requests by path: unlink, rmdir,
-  mkdir, symlink, write), is submitted (the owner merges it as any
-  submission: conflicts come back structured), optionally waited on for a
-  durability scope (slates.fleet.link's durable), and deleted.  The
-  owner's reply is the answer.  These requests go as the link's own
-  client `fleet-remote-<boot>`, one at a time (each acknowledges the one
-  before, so the owner keeps no saved replies of them).
+- `{"op": "remote.submit", "green", "version", "ops", "request", ...}`:
+  slates.fleet.link_submit sends it to the green's committed owner, whose
+  link runs it once per identity (`run_submission` here: a scratch work
+  volume of version V (`fleet-remote-*`) gets the ops (shard requests by
+  path: unlink, rmdir, mkdir, symlink, write), is submitted (the owner
+  merges it as any submission: conflicts come back structured) and
+  deleted) and answers a retry its kept reply; `after_submission` waits
+  for a durability scope on every answer.  The owner's shard requests go
+  as the link's own client `fleet-remote-<boot>`, one at a time (each
+  acknowledges the one before, so the owner keeps no saved replies of
+  them).
 - `{"op": "remote.stats"}`: pieces this link served to each peer and
-  fetched from each source; `{"op": "remote.damage", "count": N}`: a
-  fault for tests, the next N pieces this link serves have one byte
-  flipped (at most MAX_DAMAGE).
+  fetched from each source, and its submissions' counts; `{"op":
+  "remote.damage", "count": N}`: a fault for tests, the next N pieces this
+  link serves have one byte flipped (at most MAX_DAMAGE).
 
 Peers ask each other over QUIC as `{"kind": "remote", "op": "tree" |
-"chunks", ...}` (handled by `serve`), from an enrolled host (slates.fleet.link
-checks).  Bounds: BATCH_BYTES per answer, MAX_WANTED pieces per ask,
+"chunks" | "submit", ...}` (handled by `serve`), from an enrolled host
+(slates.fleet.link checks).  Bounds: BATCH_BYTES per answer, MAX_WANTED pieces per ask,
 REMOTE_TIMEOUT per peer exchange.
 """
 
@@ -63,7 +63,8 @@ from slates.errors import (
 )
 from slates.fleet.config import GreenConfig
 from slates.fleet.link_replicate import Replicator
-from slates.fleet.link_rules import Durable, Forward, split_fleet_name
+from slates.fleet.link_rules import Forward, split_fleet_name
+from slates.fleet.link_submit import DURABILITY_SECONDS, Submissions
 from slates.fleet.replica import position_of
 from slates.node.protocol import pack, shard_of, unpack
 
@@ -78,7 +79,6 @@ MAX_OPS: Final = 1 << 14
 
 PeerCall = Callable[[str, bytes, float], Awaitable[bytes]]
 ForwardCall = Callable[[Forward], Awaitable[bytes]]
-DurableCall = Callable[[Durable], Awaitable[dict[str, Any]]]
 
 
 def sources(config: GreenConfig, me: str, alive: set[str]) -> list[str]:
@@ -135,7 +135,6 @@ class RemoteReads:
         replicator: Replicator,
         peer_call: PeerCall,
         forward: ForwardCall,
-        durable: DurableCall,
         alive_hosts: Callable[[], set[str]],
     ) -> None:
         self.me = me
@@ -143,13 +142,15 @@ class RemoteReads:
         self.replicator = replicator
         self._peer = peer_call
         self._forward = forward
-        self._durable = durable
         self._alive = alive_hosts
         self.served: collections.Counter[str] = collections.Counter()
         self.fetched: collections.Counter[str] = collections.Counter()
         self.damage = 0
         self._seq = 0
         self._lock = trio.Lock()
+        self.submissions = Submissions(
+            me, replicator, peer_call, self.run_submission, self.after_submission
+        )
 
     # -- fleet.sock
 
@@ -163,9 +164,15 @@ class RemoteReads:
                 assert version is not None
                 return await self.chunks(_green(message), version, _wanted(message.get("chunks")))
             case "remote.submit":
-                return await self.submit(_green(message), message)
+                return await self.submissions.origin(_green(message), message)
             case "remote.stats":
-                return {"served": dict(self.served), "fetched": dict(self.fetched)}
+                return {
+                    "served": dict(self.served),
+                    "fetched": dict(self.fetched),
+                    "submissions": self.submissions.stats(),
+                }
+            case "remote.drop_replies":
+                return self.submissions.drop_replies(message.get("count"))
             case "remote.damage":
                 count = message.get("count")
                 if not isinstance(count, int) or not 0 <= count <= MAX_DAMAGE:
@@ -225,8 +232,10 @@ class RemoteReads:
         return unpack(raw)
 
     async def serve(self, peer: str, message: dict[str, Any]) -> dict[str, Any]:
-        """A peer's (or this host's) ask for a tree record or pieces (module doc)."""
+        """A peer's (or this host's) ask for a tree record, pieces or a submission."""
         green = _green(message)
+        if message.get("op") == "submit":
+            return await self.submissions.serve(peer, message)
         version = _version(message.get("version"))
         assert version is not None
         position = position_of(version)
@@ -270,9 +279,11 @@ class RemoteReads:
         shipping = await self.replicator.shipping_for(green)
         return await self.replicator.export_version(shipping, position)
 
-    # -- submissions on the owner
+    # -- submissions on the owner (slates.fleet.link_submit runs each once)
 
-    async def submit(self, green: str, message: dict[str, Any]) -> dict[str, Any]:
+    async def run_submission(self, green: str, message: dict[str, Any]) -> dict[str, Any]:
+        """A remote work volume's ops, submitted on this host, the green's owner: a
+        scratch work volume of the base version gets them, is submitted and deleted."""
         version = _version(message.get("version"))
         ops = message.get("ops")
         if not isinstance(ops, list) or len(ops) > MAX_OPS:
@@ -299,41 +310,28 @@ class RemoteReads:
             reply = await self._work_call(green, host, work, "submit", submit)
             if not isinstance(reply, dict):
                 raise VerificationFailed("the owner answered no submission")
-            scope = message.get("durability")
-            if scope is not None and reply.get("made_version") and not submit:
-                reply = {**reply, **await self._wait(green, host, work, reply, scope, message)}
             return reply
         finally:
             # A scratch volume left behind (the owner unreachable) is named fleet-remote-*.
             with trio.CancelScope(shield=True), contextlib.suppress(SlatesError):
                 await self._work_call(green, host, work, "volume.delete", {"force": True})
 
-    async def _wait(
-        self,
-        green: str,
-        host: str | None,
-        work: str,
-        reply: dict[str, Any],
-        scope: object,
-        message: dict[str, Any],
+    async def after_submission(
+        self, green: str, message: dict[str, Any], reply: dict[str, Any]
     ) -> dict[str, Any]:
+        """The reply, with the durability scope the version reached when one is asked."""
+        scope = message.get("durability")
+        if scope is None or not reply.get("made_version") or message.get("dry_run") is True:
+            return reply
         if scope == "restart":
-            return {"durability": "restart", "scopes": ["restart"]}
-        timeout = message.get("durability_timeout", 60.0)
+            return {**reply, "durability": "restart", "scopes": ["restart"]}
+        timeout = message.get("durability_timeout") or DURABILITY_SECONDS
         if not isinstance(timeout, (int, float)) or not 0 < timeout <= 600:
             raise InvalidArgument("durability_timeout is 0..600 s")
-        target = host or (await self.replicator.config(green)).owner.host
-        found = await self._durable(
-            Durable(
-                "" if target == self.me else target,
-                shard_of(work),
-                work,
-                int(reply["version"]),
-                str(scope),
-                float(timeout),
-            )
+        found = await self.replicator.durable_of(
+            green, int(reply["version"]), str(scope), float(timeout)
         )
-        return {"durability": found["durability"], "scopes": found["scopes"]}
+        return {**reply, "durability": found["durability"], "scopes": found["scopes"]}
 
     async def _owner_call(
         self, green: str, op: str, args: dict[str, Any], *, on_green: bool

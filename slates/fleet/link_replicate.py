@@ -420,7 +420,16 @@ class Replicator:
         local = info.get("green") if isinstance(info, dict) else None
         if not isinstance(local, str):
             raise InvalidArgument("not a work volume of a green", volume=work)
-        shipping = await self.shipping_for(self.name_of(local, shard_of(local)))
+        return await self.durable_of(self.name_of(local, shard_of(local)), version, scope, timeout)
+
+    async def durable_of(
+        self, green: str, version: int, scope: str, timeout: float
+    ) -> dict[str, Any]:
+        """Wait until `version` of the green this host owns (by fleet name) reaches
+        `scope`, at most `timeout` seconds; answers the scope it reached."""
+        if scope not in SCOPES:
+            raise InvalidArgument("a durability scope is restart, host or region", scope=scope)
+        shipping = await self.shipping_for(green)
         position = position_of(version)
         reached: tuple[str, ...] = ("restart",)
         with trio.move_on_after(timeout):

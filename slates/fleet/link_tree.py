@@ -80,15 +80,20 @@ class ShardTrees:
                 raise CapacityExhausted("a green too large to export", limit=MAX_WALK_ENTRIES)
             stat = await self._shard(shard, "stat", {"volume": volume, "path": "/" + child})
             mode = int(stat["mode"]) & 0o7777
+            uid, gid, mtime_ns = int(stat["uid"]), int(stat["gid"]), int(stat["mtime_ns"])
             match kind:
                 case "dir":
-                    entries.append(TreeEntry(child, "dir", mode))
+                    entries.append(
+                        TreeEntry(child, "dir", mode, uid=uid, gid=gid, mtime_ns=mtime_ns)
+                    )
                     await self._walk(shard, volume, child, entries, chunks)
                 case "symlink":
                     target = await self._shard(
                         shard, "readlink", {"volume": volume, "path": "/" + child}
                     )
-                    entries.append(TreeEntry(child, "symlink", mode, str(target)))
+                    entries.append(
+                        TreeEntry(child, "symlink", mode, str(target), (), uid, gid, mtime_ns)
+                    )
                 case "file":
                     data = bytearray()
                     size = int(stat["size"])
@@ -110,7 +115,7 @@ class ShardTrees:
                     chunks.update(found)
                     if sum(len(c) for c in chunks.values()) > MAX_EXPORT_BYTES:
                         raise CapacityExhausted("a version too large to export here")
-                    entries.append(TreeEntry(child, "file", mode, chunks=pieces))
+                    entries.append(TreeEntry(child, "file", mode, "", pieces, uid, gid, mtime_ns))
                 case _:
                     raise VerificationFailed("an entry that is no file, dir or symlink", path=child)
 
@@ -226,6 +231,8 @@ def _write_tree(root: Path, entries: tuple[TreeEntry, ...], contents: dict[bytes
                             raise VerificationFailed("a chunk does not match its id")
                         out.write(data)
                 os.chmod(path, entry.mode)
+        os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns), follow_symlinks=False)
     for entry in sorted(entries, key=lambda e: -e.path.count("/")):
-        if entry.kind == "dir":
+        if entry.kind == "dir":  # after their content, which changed their times
             os.chmod(root / entry.path, entry.mode)
+            os.utime(root / entry.path, ns=(entry.mtime_ns, entry.mtime_ns))

@@ -5,12 +5,13 @@ The pure ledger machines (`holder.Holder`, `recovery`, `copies.Copies`)
 replicate a green whose content is one byte string.  A real green is a
 tree of files, so the fleet link (slates.fleet.link_replicate) gives them
 one: the content of a version is its *tree record* (`encode_tree`), a
-msgpack list of `TreeEntry` (path, kind, mode, symlink target, and for a
+msgpack list of `TreeEntry` (path, kind, mode, symlink target, for a
 file the BLAKE3 ids and sizes of its bytes in pieces of at most
-CHUNK_BYTES).  The file bytes are chunks by those ids, the tree record is
-a chunk too, so a version exported by the owner is self-contained: its
-tree record plus every chunk it names, each verified by its BLAKE3 id at
-the holder (`ledger.ChunkStore.put`).
+CHUNK_BYTES, and its owner, group and modification time; format 1 records,
+written before those, read as uid 0, gid 0, time 0).  The file bytes are
+chunks by those ids, the tree record is a chunk too, so a version
+exported by the owner is self-contained: its tree record plus every chunk
+it names, each verified by its BLAKE3 id at the holder (`ledger.ChunkStore.put`).
 
 Version v of the green is ledger position v + 1 (position 0 is the
 ledger's empty genesis): `version_value` makes the position's `Value`
@@ -65,7 +66,7 @@ __all__ = [
 ]
 
 CHUNK_BYTES: Final = 4 << 20  # a file's bytes travel in pieces of this size at most
-TREE_FORMAT: Final = 1
+TREE_FORMAT: Final = 2  # 1: the same rows without uid, gid and mtime_ns (still read)
 MAX_TREE_ENTRIES: Final = 1 << 20
 EXPORT_CLIENT: Final = "fleet-export"
 Kind = Literal["file", "dir", "symlink"]
@@ -79,6 +80,9 @@ class TreeEntry:
     mode: int
     target: str = ""  # a symlink's target
     chunks: tuple[tuple[bytes, int], ...] = ()  # a file's pieces: (BLAKE3 id, size)
+    uid: int = 0
+    gid: int = 0
+    mtime_ns: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -88,10 +92,20 @@ class TreeEntry:
             raise InvalidArgument("a tree path is relative and normal", path=self.path)
         if self.kind != "file" and self.chunks:
             raise InvalidArgument("only files have bytes", path=self.path)
+        if min(self.uid, self.gid, self.mtime_ns) < 0:
+            raise InvalidArgument("owner, group and time are not negative", path=self.path)
 
     @property
     def size(self) -> int:
         return sum(size for _, size in self.chunks)
+
+    def same_content(self, other: TreeEntry | None) -> bool:
+        """The same path, kind, mode, target and bytes (owner and time aside)."""
+        return (
+            other is not None
+            and dataclasses.replace(other, uid=self.uid, gid=self.gid, mtime_ns=self.mtime_ns)
+            == self
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,7 +141,10 @@ def encode_tree(entries: Iterable[TreeEntry]) -> bytes:
     paths = [e.path for e in ordered]
     if len(set(paths)) != len(paths):
         raise InvalidArgument("a tree names each path once")
-    rows = [[e.path, e.kind, e.mode, e.target, [list(c) for c in e.chunks]] for e in ordered]
+    rows = [
+        [e.path, e.kind, e.mode, e.target, [list(c) for c in e.chunks], e.uid, e.gid, e.mtime_ns]
+        for e in ordered
+    ]
     return bytes(msgpack.packb([TREE_FORMAT, rows], use_bin_type=True))
 
 
@@ -136,17 +153,23 @@ def decode_tree(data: bytes) -> tuple[TreeEntry, ...]:
     try:
         raw = msgpack.unpackb(data, raw=False, use_list=True)
         fmt, rows = raw
-        if fmt != TREE_FORMAT or not isinstance(rows, list) or len(rows) > MAX_TREE_ENTRIES:
+        if fmt not in (1, TREE_FORMAT) or not isinstance(rows, list):
             raise ValueError("format")
+        if len(rows) > MAX_TREE_ENTRIES:
+            raise ValueError("too many entries")
+        width = 5 if fmt == 1 else 8
+        if any(not isinstance(row, list) or len(row) != width for row in rows):
+            raise ValueError("a row of another format")
         entries = tuple(
             TreeEntry(
-                str(path),
-                str(kind),
-                int(mode),
-                str(target),
-                tuple((bytes(c), int(s)) for c, s in chunks),
+                str(row[0]),
+                str(row[1]),
+                int(row[2]),
+                str(row[3]),
+                tuple((bytes(c), int(s)) for c, s in row[4]),
+                *(int(v) for v in row[5:]),
             )
-            for path, kind, mode, target, chunks in rows
+            for row in rows
         )
     except (ValueError, TypeError, msgpack.UnpackException, InvalidArgument) as error:
         raise VerificationFailed("a tree record does not decode") from error
@@ -206,13 +229,13 @@ def replay_plan(
                 if previous is None:
                     ops.append(ShardOp("mkdir", {"path": path, "mode": entry.mode}))
             case "symlink":
-                if previous == entry:
+                if entry.same_content(previous):
                     continue
                 if previous is not None:
                     ops.append(ShardOp("unlink", {"path": path}))
                 ops.append(ShardOp("symlink", {"path": path, "target": entry.target}))
             case _:
-                if previous != entry:
+                if not entry.same_content(previous):
                     ops.extend(_file_ops(path, entry, contents))
     return ops
 

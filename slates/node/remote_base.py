@@ -23,8 +23,9 @@ The base key names everything a restart needs to reopen the base:
 `fleet:<green fleet name>:<version>:<tree id hex>` (`RemoteKey`); the tree
 record is read back from the chunk store by its id.  Fingerprints never
 drift: a piece is immutable, so a file's fingerprint is (0, its number in
-the tree, its size, 0), unique per path.  The tree record carries no owner
-or times: base entries read as uid 0, gid 0, times 0.  Pure.
+the tree, its size, 0), unique per path.  A base entry has the owner, group
+and mode its tree entry records, and its modification time as all three
+times (a format 1 record, from before they were kept, reads 0).  Pure.
 """
 
 from __future__ import annotations
@@ -114,12 +115,12 @@ class RemoteBase:
             path=path,
             kind=_KINDS[entry.kind],
             mode=entry.mode & 0o7777,
-            uid=0,
-            gid=0,
+            uid=entry.uid,
+            gid=entry.gid,
             size=size,
-            atime_ns=0,
-            mtime_ns=0,
-            ctime_ns=0,
+            atime_ns=entry.mtime_ns,  # the record keeps one time: its modification
+            mtime_ns=entry.mtime_ns,
+            ctime_ns=entry.mtime_ns,
             rdev=0,
             fingerprint=self.fingerprint(path),
             target=entry.target,

@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import GeneratorType
 from typing import Any
 
 from slates.base.beneath import Anchored
 from slates.base.capturing import CaptureReader, CaptureWriter
 from slates.base.live import LiveDirectory
+from slates.core.checkpoint import PageStore
 from slates.core.host import Host
 from slates.core.records import Kind
 from slates.core.volume import BaseReader, Capacity, Volume, held
@@ -55,9 +56,9 @@ from slates.errors import (
     MissingContent,
     NotFound,
     NotPermitted,
-    NotSupported,
     RequestExpired,
     SlatesError,
+    Unavailable,
     VerificationFailed,
 )
 from slates.merge.private import PrivateMatcher
@@ -146,6 +147,9 @@ class ShardService(ShardState):
         self.landing = LandingOps(self)
         self._client = ""
         self._principal = OPERATOR  # who asked the request being run
+        self._seq = 0  # the seq of the request being run (with _client: its identity)
+        self._replaying = False
+        self._collection_owed = False  # a collection skipped during replay (collect_garbage)
 
     # -- requests -------------------------------------------------------------
 
@@ -162,6 +166,7 @@ class ShardService(ShardState):
         self.applied = []
         self._client = client
         self._principal = principal
+        self._seq = request.seq
         bound = self.client_principals.get(client)
         if bound is not None and bound != principal.name:
             denied = AccessDenied("that client id belongs to another principal", client=client)
@@ -215,6 +220,7 @@ class ShardService(ShardState):
         self.applied = []
         self._client = job.client
         self._principal = job.principal
+        self._seq = job.request.seq
         return self._resume(job, outcome), self._take_events()
 
     def abandon(self, job: Job) -> list[Event]:
@@ -372,11 +378,9 @@ class ShardService(ShardState):
             case "work.create" if "@" in str(args.get("green", "")):
                 return self.remote.create_work(args, now)  # another host's green, made here
             case "submit" if self.remote.base_of(str(args.get("volume", ""))) is not None:
-                return self.remote.submit(_str_arg(args, "volume"), args)
+                return self.remote.submit(_str_arg(args, "volume"), args, now)
             case "rebase" if self.remote.base_of(str(args.get("volume", ""))) is not None:
-                raise NotSupported(
-                    "a remote work volume does not rebase yet (slates.node.remote_ops)"
-                )
+                return self.remote.rebase(_str_arg(args, "volume"), args, now)
             case op if op in GREEN_OPS:
                 return self.green_ops.run(op, args, now)
             case op if op.startswith("land."):
@@ -405,6 +409,12 @@ class ShardService(ShardState):
                         "a green volume changes only by submission", volume=vid, op=op
                     )
                 if isinstance(volume.base, RemoteBase):
+                    if op in GREEN_REFUSES and vid in self.remote.submitting:
+                        raise Unavailable(
+                            "this remote work volume is being submitted or rebased: try "
+                            "again when that is answered",
+                            volume=vid,
+                        )
                     return self._remote_op(vid, volume, op, args, now)
                 if op.startswith("fs."):
                     return run_fs_op(volume, op, args, now)
@@ -431,6 +441,10 @@ class ShardService(ShardState):
                 raise
             return self.remote.fetching(vid, run, missing)
 
+    def request_identity(self) -> str:
+        """The (client, seq) of the request being run, as text: the same for its retries."""
+        return f"{self._client}/{self._seq}"
+
     def info(self, vid: str) -> dict[str, Any]:
         found = super().info(vid)
         remote = self.remote.view(vid)
@@ -441,9 +455,37 @@ class ShardService(ShardState):
             "remote": remote
         }
 
+    def checkpoint_document(self, pages: PageStore) -> tuple[bytes, Callable[[], None]]:
+        """ShardState's, and once it is published the remote bases the journal before
+        it named are no longer kept for a replay (slates.node.remote_ops)."""
+        document, published = super().checkpoint_document(pages)
+        in_use = self.remote.in_use()
+
+        def on_published() -> None:
+            published()
+            self.remote.checkpointed(in_use)
+
+        return document, on_published
+
+    def replay(self, events: Iterable[Event]) -> None:
+        self._replaying = True
+        try:
+            super().replay(events)
+        finally:
+            self._replaying = False
+
     def collect_garbage(self, *, force: bool = False) -> None:
         """ShardState's collection, keeping the pieces remote bases fetched: no extent
-        names them (their extents are the base's), yet the volumes read them."""
+        names them (their extents are the base's), yet the volumes read them.
+
+        On a fleet host, none runs while the journal replays (the shard replays it
+        batch by batch): a later batch may open a remote base whose tree record and
+        pieces are in the store but named by nothing replayed yet.  The first
+        collection after the replay is forced instead."""
+        if self._replaying and self.remote.link.on_fleet():
+            self._collection_owed = True
+            return
+        force, self._collection_owed = force or self._collection_owed, False
         if not self.remote.readers:
             super().collect_garbage(force=force)
             return
