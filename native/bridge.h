@@ -4,9 +4,10 @@
  * over a shared-memory ring pair (ring.h), as one msgpack request of the
  * form in slates/fuse/PROTOCOL.md, and turn the reply into a fuse_reply_*.
  *
- * One bridge per process: the state is process-global and the loop is
- * single-threaded (one request to the shard in flight at a time, so the
- * acknowledgement is always "every sequence number below this one").
+ * One bridge per process: the state is process-global.  Several loop
+ * threads answer kernel requests (bridge_set_threads), but one request to
+ * the shard is in flight at a time (one thread holds the link), so the
+ * acknowledgement is always "every sequence number below this one".
  *
  * Life cycle, driven from Python (slates/fuse/bridge.py):
  *   bridge_configure -> bridge_attach (after the hello) -> bridge_mount ->
@@ -29,6 +30,8 @@
 #define BRIDGE_RECONNECT_SECONDS 60
 #define BRIDGE_TIMEOUT_SECONDS 86400.0 /* entry and attribute cache lifetime */
 #define BRIDGE_MAX_IO (1u << 20)       /* max_write / max_read */
+#define BRIDGE_LOOP_THREADS 1          /* /dev/fuse readers (bridge_set_threads) */
+#define BRIDGE_MAX_LOOP_THREADS 8
 
 /* Counter slots: 0..BRIDGE_OPCODES-1 count kernel requests by FUSE opcode;
  * the slots after them count bridge-wide events. */
@@ -69,13 +72,19 @@ int bridge_set_cache_timeout(double seconds);
  * before bridge_mount; -EBUSY after, -ENOTDIR for a non-directory. */
 int bridge_set_base(int dir_fd);
 
+/* How many threads read /dev/fuse and answer requests, 1 to
+ * BRIDGE_MAX_LOOP_THREADS (default BRIDGE_LOOP_THREADS); requests that go to
+ * the shard still go one at a time.  Call before bridge_mount. */
+int bridge_set_threads(unsigned n);
+
 /* Create the session and mount it on `mountpoint`. */
 int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback);
 
-/* Serve until told to stop.  Writes "1" to ready_fd (then closes it) once
- * the kernel's INIT has been answered; -1 for none.  Installs handlers for
+/* Serve until told to stop, on the configured number of threads (the
+ * calling one included).  Writes "1" to ready_fd (then closes it) once the
+ * kernel's INIT has been answered; -1 for none.  Installs handlers for
  * SIGTERM, SIGINT and SIGHUP that end the loop, and restores the previous
- * ones before returning. */
+ * ones before returning (every other loop thread joined). */
 int bridge_run(int ready_fd);
 
 /* Make bridge_run return (safe from a signal handler). */

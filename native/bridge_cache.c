@@ -96,7 +96,7 @@ static void absent_add_locked(uint64_t ino)
         return;
     if (2 * (g_absent.len + 1) > g_absent.cap) {
         size_t cap = g_absent.cap ? 2 * g_absent.cap : 1024;
-        uint64_t *slots = calloc(cap, sizeof *slots);
+        uint64_t *slots = zalloc_touched(cap, sizeof *slots);
         if (slots == NULL)
             return; /* only a cache */
         for (size_t i = 0; i < g_absent.cap; i++) {

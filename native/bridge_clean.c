@@ -35,14 +35,21 @@
  * once another client's write returns no READ here serves the old bytes.
  * Race with that drop: the loop thread reads the epoch before it sends a
  * request and records the reply's entry only if no invalidation ran
- * meanwhile (as bridge_cache.c does).
+ * meanwhile (as bridge_cache.c does).  Loop threads: the drops before a
+ * mutation and the lessons of the shard's replies are all made under the
+ * link lock (bridge_link.c), so a reply never re-teaches an entry a later
+ * mutation dropped; a READ served here concurrently with a WRITE of the
+ * same inode read the entry before the drop, i.e. it is ordered before the
+ * write, as the kernel's page locks order the two.  Each loop thread has
+ * its own read buffer.
  *
  * Files bridge_meta.c answered from the base itself (never bound in the
  * shard) and nobody changed since are clean too: a READ that finds no entry
  * here asks bridge_meta.c for the path and the stat it answered with, and
  * makes the same checks.
  *
- * Bounded: a direct-mapped table of CLEAN_SLOTS entries keyed by inode
+ * Bounded: a direct-mapped table of CLEAN_SLOTS entries (made by
+ * bridge_set_base, before the loop threads start) keyed by inode
  * number; a colliding inode evicts the one there (its READs then go to the
  * shard, unless bridge_meta.c knows it).  Paths are at most PATH_MAX bytes.  Counted: BRIDGE_STAT_CLEAN_READS
  * (READs answered here) and BRIDGE_STAT_CLEAN_MISSES (entries that failed
@@ -73,9 +80,9 @@ static struct {
     struct clean_entry *slots; /* CLEAN_SLOTS of them, allocated on first use */
     uint64_t epoch;            /* invalidations so far (under the lock) */
     int base_fd;               /* -1: no clean reads */
-    int disabled;              /* openat2 missing: stop trying */
-    char *buf;                 /* BRIDGE_MAX_IO bytes (loop thread only) */
+    int disabled;              /* openat2 missing: stop trying (atomic) */
 } g_clean = {.base_fd = -1};
+static __thread char *t_read_buf; /* BRIDGE_MAX_IO bytes, one per loop thread */
 static pthread_mutex_t g_clean_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static size_t clean_slot(uint64_t ino)
@@ -97,7 +104,16 @@ static void clean_drop_locked(uint64_t ino)
 static void clean_put(uint64_t ino, const char *path, uint32_t len, const uint64_t fp[3],
                       int64_t mtime_ns, uint64_t epoch);
 
-int clean_base_fd(void) { return g_clean.disabled ? -1 : g_clean.base_fd; }
+int clean_base_fd(void)
+{
+    return __atomic_load_n(&g_clean.disabled, __ATOMIC_RELAXED) ? -1 : g_clean.base_fd;
+}
+
+void clean_thread_done(void)
+{
+    free(t_read_buf);
+    t_read_buf = NULL;
+}
 
 void clean_learn(uint64_t ino, const char *path, const struct stat *st, uint64_t epoch)
 {
@@ -108,7 +124,7 @@ void clean_learn(uint64_t ino, const char *path, const struct stat *st, uint64_t
 int bridge_set_base(int dir_fd)
 {
     if (g_bridge.se != NULL) {
-        /* The loop thread uses base_fd without the lock: set it before mounting. */
+        /* Loop threads use base_fd without the lock: set it before mounting. */
         if (dir_fd >= 0)
             close(dir_fd);
         return -EBUSY;
@@ -120,7 +136,14 @@ int bridge_set_base(int dir_fd)
             return -ENOTDIR;
         }
     }
+    /* The table, before the loop threads run (zalloc_touched: no copy-on-write
+     * faults later); a failure only means no clean reads. */
+    struct clean_entry *fresh = dir_fd >= 0 && g_clean.slots == NULL
+                                    ? zalloc_touched(CLEAN_SLOTS, sizeof *fresh)
+                                    : NULL;
     pthread_mutex_lock(&g_clean_lock);
+    if (fresh != NULL)
+        g_clean.slots = fresh;
     int old = g_clean.base_fd;
     g_clean.base_fd = dir_fd;
     g_clean.epoch++;
@@ -178,8 +201,6 @@ static void clean_put(uint64_t ino, const char *path, uint32_t len, const uint64
     memcpy(copy, path, len);
     copy[len] = '\0';
     pthread_mutex_lock(&g_clean_lock);
-    if (g_clean.slots == NULL && g_clean.base_fd >= 0)
-        g_clean.slots = calloc(CLEAN_SLOTS, sizeof *g_clean.slots);
     if (g_clean.slots == NULL || g_clean.base_fd < 0 || g_clean.epoch != epoch) {
         clean_drop_locked(ino);
         pthread_mutex_unlock(&g_clean_lock);
@@ -231,7 +252,7 @@ static int open_beneath(int dir_fd, const char *path)
         fd = syscall(SYS_openat2, dir_fd, path, &how, sizeof how);
     while (fd < 0 && (errno == EINTR || errno == EAGAIN));
     if (fd < 0 && errno == ENOSYS)
-        g_clean.disabled = 1; /* loop thread only; never re-enabled */
+        __atomic_store_n(&g_clean.disabled, 1, __ATOMIC_RELAXED); /* never re-enabled */
     return (int)fd;
 }
 
@@ -239,7 +260,7 @@ long clean_read(uint64_t ino, uint64_t off, size_t size, const char **out)
 {
     char path[PATH_MAX];
     struct clean_entry want;
-    if (g_clean.disabled || size > BRIDGE_MAX_IO)
+    if (__atomic_load_n(&g_clean.disabled, __ATOMIC_RELAXED) || size > BRIDGE_MAX_IO)
         return -1;
     pthread_mutex_lock(&g_clean_lock);
     const struct clean_entry *e =
@@ -263,9 +284,9 @@ long clean_read(uint64_t ino, uint64_t off, size_t size, const char **out)
         strcpy(path, e->path); /* shorter than PATH_MAX (clean_put) */
         pthread_mutex_unlock(&g_clean_lock);
     }
-    if (g_clean.buf == NULL)
-        g_clean.buf = malloc(BRIDGE_MAX_IO);
-    int fd = g_clean.buf != NULL ? open_beneath(dir_fd, path) : -1;
+    if (t_read_buf == NULL)
+        t_read_buf = malloc(BRIDGE_MAX_IO);
+    int fd = t_read_buf != NULL ? open_beneath(dir_fd, path) : -1;
     long served = -1;
     struct stat st;
     if (fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_dev == want.dev &&
@@ -274,7 +295,7 @@ long clean_read(uint64_t ino, uint64_t off, size_t size, const char **out)
         size_t n = off >= want.size ? 0 : (size_t)(want.size - off < size ? want.size - off : size);
         size_t done = 0;
         while (done < n) {
-            ssize_t got = pread(fd, g_clean.buf + done, n - done, (off_t)(off + done));
+            ssize_t got = pread(fd, t_read_buf + done, n - done, (off_t)(off + done));
             if (got < 0 && errno == EINTR)
                 continue;
             if (got <= 0)
@@ -283,7 +304,7 @@ long clean_read(uint64_t ino, uint64_t off, size_t size, const char **out)
         }
         if (done == n) {
             served = (long)n;
-            *out = g_clean.buf;
+            *out = t_read_buf;
         }
     }
     if (fd >= 0)

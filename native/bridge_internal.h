@@ -25,11 +25,22 @@
  *   bridge_session.c  the FUSE session: mount, the loop, signals,
  *                     invalidation notices, unmount.
  *
- * Threads: the FUSE loop runs every callback, and with it everything in
- * bridge_wire.c and bridge_link.c, on one thread (the state below has no
- * locks for that reason).  The Python watcher thread calls only
- * bridge_notify_inval_*, which touch the session handle (libfuse's notify
- * calls are thread-safe), bridge_cache.c and bridge_clean.c (which lock).
+ *   bridge_loop.c     the loop threads reading /dev/fuse, and stopping them.
+ *
+ * Threads: BRIDGE_LOOP_THREADS loop threads (bridge_loop.c) read /dev/fuse
+ * and run the callbacks concurrently.  Everything in bridge_wire.c and
+ * bridge_link.c (the link, the codec buffers, the decoded reply: the state
+ * below) belongs to the thread holding the link lock: a callback that goes
+ * to the shard takes it (link_lock) before it binds, taints, drops or
+ * encodes anything, and keeps it until the loop has answered the request
+ * (link_release), so shard requests stay one at a time, in order, and a
+ * reply's lessons (clean files, marks, absent xattrs) are never taught
+ * after a later mutation's drop.  Answers without the shard (bridge_meta*.c,
+ * bridge_clean.c, bridge_cache.c) take only their own tables' locks and run
+ * in parallel.  Lock order: link, then meta's reply gate, then the tables'
+ * mutexes; nothing takes the link lock while holding another.  The Python
+ * watcher thread calls only bridge_notify_inval_*, which touch the session
+ * handle (libfuse's notify calls are thread-safe) and the tables (which lock).
  */
 #ifndef SLATES_BRIDGE_INTERNAL_H
 #define SLATES_BRIDGE_INTERNAL_H
@@ -44,6 +55,8 @@
 #include <msgpack.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <time.h>
 
@@ -94,6 +107,20 @@ static inline uint64_t now_ns(int clock)
     struct timespec ts;
     clock_gettime(clock, &ts);
     return (uint64_t)ts.tv_sec * NS_PER_SEC + (uint64_t)ts.tv_nsec;
+}
+
+/* Zeroed memory whose pages are written now, on allocation: calloc leaves a
+ * fresh mapping on the shared zero page, and the copy-on-write fault of each
+ * first store then shoots down every loop thread's TLB (an IPI per page,
+ * costly in a VM).  Tables that grow while loop threads run use this. */
+static inline void *zalloc_touched(size_t n, size_t size)
+{
+    if (size != 0 && n > SIZE_MAX / size)
+        return NULL;
+    void *p = malloc(n * size);
+    if (p != NULL)
+        memset(p, 0, n * size);
+    return p;
 }
 
 static inline int64_t ts_ns(const struct timespec *ts)
@@ -162,6 +189,11 @@ BRIDGE_INTERNAL int decode_reply(const uint8_t *buf, size_t len, uint64_t *seq,
 
 /* -- bridge_link.c ------------------------------------------------------------ */
 
+/* The link lock (see "Threads" above): link_lock takes it unless this thread
+ * holds it already; link_release gives it back if held (the loop, after each
+ * kernel request; entry points called from Python, before they return). */
+BRIDGE_INTERNAL void link_lock(void);
+BRIDGE_INTERNAL void link_release(void);
 /* Count one event in a counter slot (bridge.h's BRIDGE_STAT_* or an opcode). */
 BRIDGE_INTERNAL void bridge_count(int slot);
 /* Send the request in g_bridge.sbuf and wait for its reply, reconnecting and
@@ -197,9 +229,12 @@ BRIDGE_INTERNAL void clean_drop(uint64_t ino);
 /* Forget one inode and start a new epoch (the shard invalidated it). */
 BRIDGE_INTERNAL void clean_invalidate(uint64_t ino);
 /* Serve a READ from the base: the byte count with *out pointing at them
- * (valid until the next call), or -1 when the shard must answer. */
+ * (this thread's buffer, valid until its next call), or -1 when the shard
+ * must answer.  Any loop thread, without the link lock. */
 BRIDGE_INTERNAL long clean_read(uint64_t ino, uint64_t off, size_t size, const char **out);
 
+/* A loop thread ends: free its read buffer. */
+BRIDGE_INTERNAL void clean_thread_done(void);
 /* The base directory fd (bridge_set_base), or -1. */
 BRIDGE_INTERNAL int clean_base_fd(void);
 /* Record `ino` as a clean base file at `path` with the fingerprint in `st`,
@@ -250,10 +285,11 @@ BRIDGE_INTERNAL int meta_prepare(uint64_t node);
 /* Whether READDIRPLUS of `dir` may be answered from the base (a clean
  * directory); *epoch gets the epoch to check the answers against. */
 BRIDGE_INTERNAL int meta_listable(uint64_t dir, uint64_t *epoch);
-/* One listed name of a clean directory, answered from the base as a lookup
- * would be (one kernel reference counted here): 1 with *e filled, 0 when
- * the shard must answer, -1 when the name is gone from the base. */
-BRIDGE_INTERNAL int meta_dirent(uint64_t dir, const char *name, uint64_t epoch,
+/* One listed name of a clean directory (`dir_fd`: the base directory as
+ * listed), answered from the base as a lookup would be (one kernel reference
+ * counted here): 1 with *e filled, 0 when the shard must answer, -1 when the
+ * name is gone from the base. */
+BRIDGE_INTERNAL int meta_dirent(uint64_t dir, int dir_fd, const char *name, uint64_t epoch,
                                 struct fuse_entry_param *e);
 /* Take the lock if no taint ran since `epoch` (1), else 0; meta_unlock after
  * replying, so the reply reaches the kernel before any later invalidation. */
@@ -261,6 +297,10 @@ BRIDGE_INTERNAL int meta_lock_if(uint64_t epoch);
 BRIDGE_INTERNAL void meta_unlock(void);
 /* fstat of the entry at a base-relative path, beneath the base: 0 or -errno. */
 BRIDGE_INTERNAL int meta_stat_beneath(const char *path, struct stat *st);
+/* lstat of `name` (one component) in a directory fd opened beneath the base
+ * (the listing's): as strong as meta_stat_beneath from that directory -
+ * nothing followed, -EXDEV for another device (a mount point). */
+BRIDGE_INTERNAL int meta_stat_at(int dir_fd, const char *name, struct stat *st);
 /* The base path of a directory node (malloc'ed) and its parent node, or NULL. */
 BRIDGE_INTERNAL char *meta_dir_path(uint64_t dir, uint64_t *parent);
 /* The base path of `name` in a directory node (malloc'ed), or NULL. */

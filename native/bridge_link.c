@@ -8,16 +8,26 @@
  * in g_bridge.sbuf and waits for the reply with the same sequence number:
  * it spins up to spin_ns (the shard's usual service time), then parks on
  * the reply eventfd, polled together with the socket.  One request is in
- * flight at a time (the rings are single-producer, single-consumer, and the
- * FUSE loop is one thread), so a reply with a lower seq answers a request
- * given up on and is skipped, and any other seq is a broken link.  When the
- * shard goes away, the link detaches, asks Python for a fresh hello
- * (bridge_reconnect_cb) and resends the same bytes with the same seq, so a
+ * flight at a time (the rings are single-producer, single-consumer, and one
+ * loop thread at a time holds the link: see "Threads" below), so a reply
+ * with a lower seq answers a request given up on and is skipped, and any
+ * other seq is a broken link.  When the shard goes away, the link
+ * detaches, asks Python for a fresh hello (bridge_reconnect_cb) and resends the same bytes with the same seq, so a
  * request the old shard had already applied is answered from its saved
  * result; after BRIDGE_RECONNECT_SECONDS without a shard, or SHUTDOWN_GRACE_NS
  * after being told to stop, the request fails with EIO.  Everything the
  * shard put in shared memory is validated before use (ring.c); memfds must
  * be sealed against shrinking so a peer cannot pull pages from under us.
+ *
+ * Threads: several loop threads (bridge_loop.c) answer kernel requests, but
+ * the link, the codec buffers (bridge_wire.c) and the decoded reply belong
+ * to one thread at a time: the first encode (envelope_begin) or an explicit
+ * link_lock() takes the link lock, and the thread keeps it until its kernel
+ * request is answered (the loop calls link_release after each request), so
+ * a request's prepare-binds, taints, round trips and reply are one critical
+ * section and the one-in-flight rule above still holds.  The lock is taken
+ * at most once per thread (a thread-local flag), so nested takers (a
+ * prepare inside a request) are free.
  *
  * The counters (kernel requests by opcode, round trips, reconnects,
  * failures) live here too: relaxed atomics, optionally in caller memory
@@ -28,6 +38,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +54,25 @@ struct bridge_state g_bridge = {
     .next_seq = 1,
     .cache_timeout = BRIDGE_TIMEOUT_SECONDS,
 };
+
+static pthread_mutex_t g_link_lock = PTHREAD_MUTEX_INITIALIZER;
+static __thread int t_link_held;
+
+void link_lock(void)
+{
+    if (!t_link_held) {
+        pthread_mutex_lock(&g_link_lock);
+        t_link_held = 1;
+    }
+}
+
+void link_release(void)
+{
+    if (t_link_held) {
+        t_link_held = 0;
+        pthread_mutex_unlock(&g_link_lock);
+    }
+}
 
 static uint64_t g_local_counts[BRIDGE_COUNTERS];
 static uint64_t *g_counts = g_local_counts;
@@ -366,14 +396,17 @@ int link_call(const msgpack_object **result)
 int bridge_request(const char *op, const uint8_t *args, uint32_t args_len, uint8_t *out,
                    uint32_t cap)
 {
-    envelope_begin(op);
+    envelope_begin(op); /* takes the link lock */
     msgpack_sbuffer_write(&g_bridge.sbuf, (const char *)args, args_len);
     const msgpack_object *result;
     (void)link_call(&result);
+    int rc = (int)g_bridge.reply_len;
     if (g_bridge.reply_len == 0)
-        return -EIO; /* the shard never answered */
-    if (g_bridge.reply_len > cap)
-        return -EMSGSIZE;
-    memcpy(out, g_bridge.reply, g_bridge.reply_len);
-    return (int)g_bridge.reply_len;
+        rc = -EIO; /* the shard never answered */
+    else if (g_bridge.reply_len > cap)
+        rc = -EMSGSIZE;
+    else
+        memcpy(out, g_bridge.reply, g_bridge.reply_len);
+    link_release();
+    return rc;
 }

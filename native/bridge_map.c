@@ -45,8 +45,8 @@ int map_put(struct u64map *m, uint64_t key, void *value)
     }
     if (2 * (m->len + 1) > m->cap) {
         size_t cap = m->cap ? 2 * m->cap : 1024;
-        uint64_t *keys = calloc(cap, sizeof *keys);
-        void **values = calloc(cap, sizeof *values);
+        uint64_t *keys = zalloc_touched(cap, sizeof *keys);
+        void **values = zalloc_touched(cap, sizeof *values);
         if (keys == NULL || values == NULL) {
             free(keys);
             free(values);

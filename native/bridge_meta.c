@@ -58,9 +58,22 @@
  * binding by another client changes nothing visible: the bound entry is
  * still its base entry, under the same number, until a change to it taints
  * it.  Race with a taint: every taint starts a new epoch; a local answer
- * reads the epoch before it looks at the base and replies, under the lock,
- * only if no taint ran meanwhile (else the shard answers), so an
- * invalidation acknowledged before the reply is never undone by it.
+ * reads the epoch before it looks at the base and replies, inside the reply
+ * gate (shared; a taint takes it exclusive), only if no taint ran meanwhile
+ * (else the shard answers), so an invalidation acknowledged before the reply
+ * is never undone by it.
+ *
+ * Threads.  Answers from here run on any loop thread, in parallel: the
+ * tables are under g_meta_lock, held only for table work (never across a
+ * syscall on the base or a reply), and the reply gate orders answers
+ * against taints.  Reference counts stay exact: an answer counts its
+ * reference (take_ref) before its reply reaches the kernel, so no FORGET
+ * can precede it; everything that moves references between the bridge's
+ * count and the shard's - a bind (meta_prepare: plan, fs.lookup, subtract),
+ * a kernel FORGET's split (meta_forget), a READDIRPLUS giving back entries
+ * the kernel never got - runs under the link lock (bridge_link.c), so no
+ * split ever sees a bind half done; an answer concurrent with a bind only
+ * adds references the bind did not plan, which stay the bridge's.
  *
  * Bounded: the node table holds only nodes the kernel holds (entries leave
  * with the kernel's last FORGET), and the taint set holds nodes changed
@@ -107,11 +120,36 @@ static struct {
     struct u64map tainted; /* node -> (void *)1 */
     uint64_t epoch;
     dev_t base_dev;
-    int base_known; /* -1: no usable base, 0: not looked at yet, 1: base_dev set */
-    int root_probed;
+    int base_known;  /* -1: no usable base, 1: base_dev set (once, base_once) */
+    int root_probed; /* atomic */
     int degraded; /* a taint could not be remembered: nothing is answered here */
 } g_meta;
 static pthread_mutex_t g_meta_lock = PTHREAD_MUTEX_INITIALIZER;
+/* The reply gate: an answer from here holds it shared from its epoch check
+ * until its reply is written; a taint holds it exclusive.  So a taint waits
+ * for the answers already checked, and every later answer sees its epoch
+ * (see "Race with a taint" above), while answers run in parallel.  Writers
+ * first, so a stream of answers cannot starve an invalidation. */
+static pthread_rwlock_t g_meta_gate;
+static pthread_once_t g_meta_once = PTHREAD_ONCE_INIT;
+static pthread_once_t g_base_once = PTHREAD_ONCE_INIT;
+
+static void gate_init(void)
+{
+    pthread_rwlockattr_t attr;
+    pthread_rwlockattr_init(&attr);
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&g_meta_gate, &attr);
+    pthread_rwlockattr_destroy(&attr);
+}
+
+static void gate_enter(void)
+{
+    pthread_once(&g_meta_once, gate_init);
+    pthread_rwlock_rdlock(&g_meta_gate);
+}
+
+static void gate_leave(void) { pthread_rwlock_unlock(&g_meta_gate); }
 
 static struct meta_node *node_get(uint64_t node) { return map_get(&g_meta.nodes, node); }
 
@@ -139,9 +177,12 @@ static void taint_locked(uint64_t node)
 
 void meta_taint(uint64_t node)
 {
+    pthread_once(&g_meta_once, gate_init);
+    pthread_rwlock_wrlock(&g_meta_gate); /* after every answer already checked */
     pthread_mutex_lock(&g_meta_lock);
     taint_locked(node);
     pthread_mutex_unlock(&g_meta_lock);
+    pthread_rwlock_unlock(&g_meta_gate);
 }
 
 uint64_t meta_epoch(void)
@@ -152,16 +193,19 @@ uint64_t meta_epoch(void)
     return epoch;
 }
 
+static void base_init(void)
+{
+    struct stat st;
+    int fd = clean_base_fd();
+    g_meta.base_known = fd >= 0 && fstat(fd, &st) == 0 ? 1 : -1;
+    if (g_meta.base_known == 1)
+        g_meta.base_dev = st.st_dev;
+}
+
 /* The base directory's device, once; 0 when there is no usable base. */
 static int base_ready(void)
 {
-    if (g_meta.base_known == 0) {
-        struct stat st;
-        int fd = clean_base_fd();
-        g_meta.base_known = fd >= 0 && fstat(fd, &st) == 0 ? 1 : -1;
-        if (g_meta.base_known == 1)
-            g_meta.base_dev = st.st_dev;
-    }
+    pthread_once(&g_base_once, base_init);
     return g_meta.base_known == 1;
 }
 
@@ -207,6 +251,16 @@ int meta_stat_beneath(const char *path, struct stat *st)
     return rc;
 }
 
+int meta_stat_at(int dir_fd, const char *name, struct stat *st)
+{
+    if (!base_ready() || name[0] == '\0' || strchr(name, '/') != NULL ||
+        strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
+        return -EINVAL;
+    if (fstatat(dir_fd, name, st, AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT) != 0)
+        return -errno;
+    return st->st_dev == g_meta.base_dev ? 0 : -EXDEV; /* a mount point: as RESOLVE_NO_XDEV */
+}
+
 /* The node id the volume binds this base entry at, or 0 (the shard decides). */
 static uint64_t derived_node(const struct stat *st)
 {
@@ -236,11 +290,17 @@ static void attr_of_base(const struct stat *b, struct stat *out)
     out->st_ctim = b->st_ctim;
 }
 
-/* Learn the root's mark once (the kernel never looks the root up). */
+static int root_probed(void) { return __atomic_load_n(&g_meta.root_probed, __ATOMIC_ACQUIRE); }
+
+/* Learn the root's mark once (the kernel never looks the root up).  Takes
+ * the link lock (kept until this request is answered): before any other. */
 static void probe_root(void)
 {
     const msgpack_object *res;
-    g_meta.root_probed = 1;
+    link_lock();
+    if (root_probed())
+        return; /* another thread did it meanwhile */
+    __atomic_store_n(&g_meta.root_probed, 1, __ATOMIC_RELEASE);
     uint64_t epoch = meta_epoch();
     enc_ino("fs.getattr", 1);
     if (link_call(&res) == 0)
@@ -307,7 +367,7 @@ int meta_lookup(fuse_req_t req, uint64_t parent, const char *name)
 {
     if (!base_ready())
         return 0;
-    if (parent == 1 && !g_meta.root_probed)
+    if (parent == 1 && !root_probed())
         probe_root();
     uint64_t absent_ep = absent_epoch(), clean_ep = clean_epoch();
     pthread_mutex_lock(&g_meta_lock);
@@ -331,37 +391,34 @@ int meta_lookup(fuse_req_t req, uint64_t parent, const char *name)
         return 0;
     }
     int answered = 0;
+    struct fuse_entry_param ep;
+    memset(&ep, 0, sizeof ep);
+    ep.entry_timeout = g_bridge.cache_timeout; /* rc == -ENOENT: a negative entry */
+    gate_enter(); /* until the reply is written: no taint can slip in between */
     pthread_mutex_lock(&g_meta_lock);
     pe = node_get(parent);
     if (g_meta.epoch != epoch || pe == NULL || !(pe->flags & META_CLEAN_DIR))
         goto out;
-    if (rc == -ENOENT) {
-        struct fuse_entry_param e;
-        memset(&e, 0, sizeof e);
-        e.entry_timeout = g_bridge.cache_timeout;
-        fuse_reply_entry(req, &e); /* under the lock: no taint can slip in between */
-        answered = 1;
-        goto out;
+    if (rc == 0) {
+        if (tainted(node))
+            goto out;
+        struct meta_node *e = take_ref(node, parent, &path, &st);
+        if (e == NULL)
+            goto out; /* known otherwise, or changed since: the shard decides */
+        ep.ino = node;
+        attr_of_base(&st, &ep.attr);
+        ep.attr_timeout = g_bridge.cache_timeout;
+        absent_mark_inode(node, absent_ep); /* an unbound base entry has no xattrs */
+        if (S_ISREG(st.st_mode) && st.st_size > 0)
+            clean_learn(node, e->path, &st, clean_ep);
+        bridge_count(BRIDGE_STAT_META_ANSWERS);
     }
-    if (tainted(node))
-        goto out;
-    struct meta_node *e = take_ref(node, parent, &path, &st);
-    if (e == NULL)
-        goto out; /* known otherwise, or changed since: the shard decides */
-    struct fuse_entry_param ep;
-    memset(&ep, 0, sizeof ep);
-    ep.ino = node;
-    attr_of_base(&st, &ep.attr);
-    ep.attr_timeout = g_bridge.cache_timeout;
-    ep.entry_timeout = g_bridge.cache_timeout;
-    absent_mark_inode(node, absent_ep); /* an unbound base entry has no xattrs */
-    if (S_ISREG(st.st_mode) && st.st_size > 0)
-        clean_learn(node, e->path, &st, clean_ep);
-    fuse_reply_entry(req, &ep);
-    bridge_count(BRIDGE_STAT_META_ANSWERS);
     answered = 1;
 out:
     pthread_mutex_unlock(&g_meta_lock);
+    if (answered)
+        fuse_reply_entry(req, &ep); /* its reference is counted (take_ref) before it */
+    gate_leave();
     free(path);
     return answered;
 }
@@ -370,7 +427,7 @@ int meta_listable(uint64_t dir, uint64_t *epoch)
 {
     if (!base_ready())
         return 0;
-    if (dir == 1 && !g_meta.root_probed)
+    if (dir == 1 && !root_probed())
         probe_root();
     pthread_mutex_lock(&g_meta_lock);
     struct meta_node *e = node_get(dir);
@@ -380,14 +437,15 @@ int meta_listable(uint64_t dir, uint64_t *epoch)
     return ok;
 }
 
-int meta_dirent(uint64_t dir, const char *name, uint64_t epoch, struct fuse_entry_param *out)
+int meta_dirent(uint64_t dir, int dir_fd, const char *name, uint64_t epoch,
+                struct fuse_entry_param *out)
 {
     uint64_t absent_ep = absent_epoch(), clean_ep = clean_epoch();
     char *path = meta_child_path(dir, name);
     if (path == NULL)
         return 0;
     struct stat st;
-    int rc = meta_stat_beneath(path, &st);
+    int rc = meta_stat_at(dir_fd, name, &st);
     if (rc == -ENOENT) {
         free(path);
         return -1; /* removed since it was listed: the shard skips it too */
@@ -418,14 +476,16 @@ out:
 
 int meta_lock_if(uint64_t epoch)
 {
+    gate_enter();
     pthread_mutex_lock(&g_meta_lock);
-    if (g_meta.epoch == epoch)
-        return 1;
+    int same = g_meta.epoch == epoch;
     pthread_mutex_unlock(&g_meta_lock);
-    return 0;
+    if (!same)
+        gate_leave();
+    return same;
 }
 
-void meta_unlock(void) { pthread_mutex_unlock(&g_meta_lock); }
+void meta_unlock(void) { gate_leave(); }
 
 /* A node this file answered and nobody changed since: its attributes. */
 static int local_attr(uint64_t ino, struct stat *attr, struct stat *seen)
@@ -442,13 +502,15 @@ static int local_attr(uint64_t ino, struct stat *attr, struct stat *seen)
 int meta_getattr(fuse_req_t req, uint64_t ino)
 {
     struct stat st;
+    gate_enter();
     pthread_mutex_lock(&g_meta_lock);
     int known = local_attr(ino, &st, NULL);
+    pthread_mutex_unlock(&g_meta_lock);
     if (known) {
         fuse_reply_attr(req, &st, g_bridge.cache_timeout);
         bridge_count(BRIDGE_STAT_META_ANSWERS);
     }
-    pthread_mutex_unlock(&g_meta_lock);
+    gate_leave();
     return known;
 }
 
@@ -468,9 +530,11 @@ int meta_base_file(uint64_t ino, char *path, size_t cap, struct stat *seen)
 int meta_lseek(fuse_req_t req, uint64_t ino, uint64_t off, int whence)
 {
     struct stat attr, seen;
+    gate_enter();
     pthread_mutex_lock(&g_meta_lock);
     int known = local_attr(ino, &attr, &seen) && S_ISREG(seen.st_mode) &&
                 (whence == SEEK_DATA || whence == SEEK_HOLE);
+    pthread_mutex_unlock(&g_meta_lock);
     if (known) {
         /* An untouched base file is one data extent over its size, as the volume
          * pins it: data at any offset inside, the only hole at the end. */
@@ -481,20 +545,22 @@ int meta_lseek(fuse_req_t req, uint64_t ino, uint64_t off, int whence)
             fuse_reply_lseek(req, (off_t)(whence == SEEK_DATA ? off : size));
         bridge_count(BRIDGE_STAT_META_ANSWERS);
     }
-    pthread_mutex_unlock(&g_meta_lock);
+    gate_leave();
     return known;
 }
 
 int meta_access(fuse_req_t req, uint64_t ino)
 {
     struct stat st;
+    gate_enter();
     pthread_mutex_lock(&g_meta_lock);
     int known = local_attr(ino, &st, NULL);
+    pthread_mutex_unlock(&g_meta_lock);
     if (known) {
         fuse_reply_err(req, 0); /* the shard's fs.access only checks the inode exists */
         bridge_count(BRIDGE_STAT_META_ANSWERS);
     }
-    pthread_mutex_unlock(&g_meta_lock);
+    gate_leave();
     return known;
 }
 
@@ -528,14 +594,12 @@ int meta_readlink(fuse_req_t req, uint64_t ino)
     if (n < 0 || n != seen.st_size)
         return 0; /* changed since the kernel saw it: the shard decides */
     target[n] = '\0';
-    int answered = 0;
-    pthread_mutex_lock(&g_meta_lock);
-    if (g_meta.epoch == epoch) {
+    int answered = meta_lock_if(epoch);
+    if (answered) {
         fuse_reply_readlink(req, target);
         bridge_count(BRIDGE_STAT_META_ANSWERS);
-        answered = 1;
+        meta_unlock();
     }
-    pthread_mutex_unlock(&g_meta_lock);
     return answered;
 }
 
@@ -571,7 +635,7 @@ void meta_note_attr(uint64_t node, const msgpack_object *attr, uint64_t epoch, i
     else
         mark = NULL;
     if (node == 1)
-        g_meta.root_probed = 1; /* the kernel asked first */
+        __atomic_store_n(&g_meta.root_probed, 1, __ATOMIC_RELEASE); /* the kernel asked first */
     pthread_mutex_lock(&g_meta_lock);
     struct meta_node *e = node_get(node);
     if (e != NULL) {
@@ -679,7 +743,7 @@ int meta_prepare_child(uint64_t parent, const char *name)
     char *path = NULL;
     pthread_mutex_lock(&g_meta_lock);
     struct meta_node *pe = node_get(parent);
-    if (pe != NULL && pe->path != NULL && g_meta.base_known == 1)
+    if (pe != NULL && pe->path != NULL && base_ready())
         path = join(pe->path, name);
     pthread_mutex_unlock(&g_meta_lock);
     if (path == NULL)

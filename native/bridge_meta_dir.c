@@ -7,15 +7,18 @@
  * shard gives it (64-bit FNV-1a, slates/node/fsops.py's cookie_of) and the
  * names sorted by it, so a listing the shard continues (the directory's mark
  * revoked between two calls) neither skips nor repeats a name, and a name
- * removed between two calls never makes the listing skip another.  "." and
- * ".." come first (cookies 1 and 2).  Each other name is answered as a
+ * removed between two calls never makes the listing skip another.  Each name
+ * is stat'ed in the directory as listed (fstatat of that one component,
+ * nothing followed, another device refused: meta_stat_at) rather than walked
+ * again from the base root: the same checks, one syscall instead of three.
+ * "." and ".." come first (cookies 1 and 2).  Each other name is answered as a
  * LOOKUP would be (meta_dirent: one kernel reference counted in the
  * bridge); a name bound in the volume, or not the bridge's to number, goes
  * without attributes (the kernel looks it up when it needs them, and the
- * shard answers).  The reply is sent under the metadata lock after checking
- * that no taint ran since the listing began, so an invalidation the watcher
+ * shard answers).  The reply is sent inside the metadata reply gate after
+ * checking that no taint ran since the listing began, so an invalidation the watcher
  * acknowledged is never undone by it; otherwise every reference counted is
- * given back and the shard answers.
+ * given back (give_back, under the link lock) and the shard answers.
  *
  * Bounded: at most BRIDGE_LIST_MAX names (a larger directory is the
  * shard's); the listing is read again for every READDIRPLUS of it.
@@ -55,9 +58,10 @@ static int by_cookie(const void *a, const void *b)
 }
 
 /* Every name of the base directory at `path`, sorted by cookie: the count, or
- * -errno.  *out is malloc'ed (names too); bounded by BRIDGE_LIST_MAX names. */
+ * -errno.  *out is malloc'ed (names too); bounded by BRIDGE_LIST_MAX names.
+ * *dir_out is the directory as listed (the caller's to closedir). */
 #define BRIDGE_LIST_MAX (1u << 20)
-static long list_beneath(const char *path, struct listed **out)
+static long list_beneath(const char *path, struct listed **out, DIR **dir_out)
 {
     struct open_how how;
     memset(&how, 0, sizeof how);
@@ -103,8 +107,8 @@ static long list_beneath(const char *path, struct listed **out)
     }
     if (rc == 0 && errno != 0)
         rc = -errno;
-    closedir(dir);
     if (rc != 0) {
+        closedir(dir);
         for (size_t i = 0; i < n; i++)
             free(items[i].name);
         free(items);
@@ -112,7 +116,32 @@ static long list_beneath(const char *path, struct listed **out)
     }
     qsort(items, n, sizeof *items, by_cookie);
     *out = items;
+    *dir_out = dir;
     return (long)n;
+}
+
+/* References counted for entries the kernel never got: the bridge's count
+ * drops, and any a bind on another thread handed to the shard meanwhile is
+ * forgotten there (under the link lock, so no bind is half done). */
+static void give_back(const uint64_t *nodes, size_t n)
+{
+    link_lock();
+    struct fuse_forget_data *items = malloc((n ? n : 1) * sizeof *items);
+    size_t kept = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t shard = meta_forget(nodes[i], 1);
+        if (shard > 0 && items != NULL) {
+            items[kept].ino = nodes[i];
+            items[kept].nlookup = shard;
+            kept++;
+        }
+    }
+    if (kept > 0) {
+        const msgpack_object *res;
+        enc_forget(items, kept);
+        (void)link_call(&res);
+    }
+    free(items);
 }
 
 int meta_readdirplus(fuse_req_t req, uint64_t dir, size_t size, uint64_t off)
@@ -125,10 +154,12 @@ int meta_readdirplus(fuse_req_t req, uint64_t dir, size_t size, uint64_t off)
     if (path == NULL)
         return 0;
     struct listed *items = NULL;
-    long n = list_beneath(path, &items);
+    DIR *listed = NULL;
+    long n = list_beneath(path, &items, &listed);
     free(path);
     if (n < 0)
         return 0; /* the shard decides (a directory swapped, gone, unreadable) */
+    int dir_fd = dirfd(listed);
     char *buf = malloc(size ? size : 1);
     uint64_t *counted = calloc(n ? (size_t)n : 1, sizeof *counted);
     size_t used = 0, ncounted = 0;
@@ -153,17 +184,14 @@ int meta_readdirplus(fuse_req_t req, uint64_t dir, size_t size, uint64_t off)
         struct fuse_entry_param e;
         if (fuse_add_direntry_plus(req, NULL, 0, items[i].name, NULL, 0) > size - used)
             break;
-        int got = meta_dirent(dir, items[i].name, epoch, &e);
+        int got = meta_dirent(dir, dir_fd, items[i].name, epoch, &e);
         if (got < 0)
             continue; /* removed since it was listed */
         if (got == 0) {
             /* Bound in the volume (or not ours to number): the entry goes without
              * attributes, and the kernel looks it up when it needs them. */
             struct stat st;
-            char *child = NULL;
-            child = meta_child_path(dir, items[i].name);
-            int rc = child != NULL ? meta_stat_beneath(child, &st) : -ENOMEM;
-            free(child);
+            int rc = meta_stat_at(dir_fd, items[i].name, &st);
             if (rc == -ENOENT)
                 continue;
             if (rc != 0) {
@@ -185,9 +213,9 @@ full:
         meta_unlock();
     } else {
         ok = 0;
-        for (size_t i = 0; i < ncounted; i++)
-            (void)meta_forget(counted[i], 1); /* never sent: the kernel holds none of them */
+        give_back(counted, ncounted); /* never sent: the kernel holds none of them */
     }
+    closedir(listed);
     for (long i = 0; i < n; i++)
         free(items[i].name);
     free(items);

@@ -1,5 +1,10 @@
 /*
- * The libfuse3 low-level callbacks: the kernel's requests, one at a time.
+ * The libfuse3 low-level callbacks: the kernel's requests, on several loop
+ * threads (bridge_loop.c).  Each callback first tries what needs no shard
+ * (answers from the base, known-absent xattrs, ENOSYS/0 answers), on its
+ * own thread; the rest of it, from its first bind, taint or drop on, runs
+ * under the link lock (link_lock; the loop releases it once the request is
+ * answered), so what goes to the shard still goes one request at a time.
  *
  * Theory of operation: each callback either answers at once (OPEN, OPENDIR
  * and FLUSH with ENOSYS, so the kernel stops sending them and keeps its
@@ -123,7 +128,7 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
      * second readlink free (a symlink's target never changes, and the
      * shard's invalidation of an inode drops its cached pages too);
      * parallel dirops let lookups in one directory queue without the
-     * directory's lock (this loop still answers them one at a time). */
+     * directory's lock (the loop threads answer them side by side). */
     unsigned want = FUSE_CAP_WRITEBACK_CACHE | FUSE_CAP_NO_OPEN_SUPPORT |
                     FUSE_CAP_NO_OPENDIR_SUPPORT | FUSE_CAP_READDIRPLUS |
                     FUSE_CAP_AUTO_INVAL_DATA | FUSE_CAP_ASYNC_READ |
@@ -161,6 +166,7 @@ static void op_destroy(void *userdata)
 {
     (void)userdata;
     const msgpack_object *res;
+    link_lock();
     if (!g_bridge.attached)
         return; /* a fresh shard holds no references of this session's */
     enc_destroy();
@@ -172,6 +178,7 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
     const msgpack_object *res;
     if (meta_lookup(req, parent, name))
         return;
+    link_lock();
     PREPARE(req, parent);
     struct epochs ep = epochs_now();
     enc_lookup(parent, name);
@@ -228,12 +235,14 @@ static void send_forgets(const struct fuse_forget_data *given, size_t n, int ker
 static void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
 {
     struct fuse_forget_data item = {.ino = ino, .nlookup = nlookup};
+    link_lock(); /* the split between the bridge's references and the shard's */
     send_forgets(&item, 1, 1);
     fuse_reply_none(req);
 }
 
 static void op_forget_multi(fuse_req_t req, size_t count_, struct fuse_forget_data *forgets)
 {
+    link_lock();
     send_forgets(forgets, count_, 1);
     fuse_reply_none(req);
 }
@@ -265,6 +274,7 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     (void)fi;
     if (meta_getattr(req, ino))
         return;
+    link_lock();
     PREPARE(req, ino);
     enc_ino("fs.getattr", ino);
     reply_attr(req);
@@ -274,6 +284,7 @@ static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to
                        struct fuse_file_info *fi)
 {
     (void)fi;
+    link_lock();
     PREPARE(req, ino);
     meta_taint(ino);
     clean_drop(ino); /* a truncation changes the content; the reply teaches again */
@@ -288,6 +299,7 @@ static void op_readlink(fuse_req_t req, fuse_ino_t ino)
     uint32_t n = 0;
     if (meta_readlink(req, ino))
         return;
+    link_lock();
     PREPARE(req, ino);
     enc_ino("fs.readlink", ino);
     int rc = link_call(&res);
@@ -312,6 +324,7 @@ static void op_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t
                      dev_t rdev)
 {
     const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    link_lock();
     PREPARE(req, parent);
     meta_taint(parent);
     enc_mknod(parent, name, mode, rdev, ctx->uid, ctx->gid);
@@ -321,6 +334,7 @@ static void op_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t
 static void op_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode)
 {
     const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    link_lock();
     PREPARE(req, parent);
     meta_taint(parent);
     enc_mkdir(parent, name, mode, ctx->uid, ctx->gid);
@@ -329,6 +343,7 @@ static void op_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t
 
 static void op_unlink(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
+    link_lock();
     PREPARE(req, parent);
     PREPARE_CHILD(req, parent, name);
     meta_taint(parent);
@@ -338,6 +353,7 @@ static void op_unlink(fuse_req_t req, fuse_ino_t parent, const char *name)
 
 static void op_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
+    link_lock();
     PREPARE(req, parent);
     PREPARE_CHILD(req, parent, name);
     meta_taint(parent);
@@ -348,6 +364,7 @@ static void op_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name)
 static void op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, const char *name)
 {
     const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    link_lock();
     PREPARE(req, parent);
     meta_taint(parent);
     enc_symlink(parent, name, link, ctx->uid, ctx->gid);
@@ -357,6 +374,7 @@ static void op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, cons
 static void op_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino_t newparent,
                       const char *newname, unsigned int flags)
 {
+    link_lock();
     PREPARE(req, parent);
     PREPARE(req, newparent);
     PREPARE_CHILD(req, parent, name);
@@ -369,6 +387,7 @@ static void op_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_
 
 static void op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char *newname)
 {
+    link_lock();
     PREPARE(req, ino);
     PREPARE(req, newparent);
     meta_taint(ino);
@@ -383,6 +402,7 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
     const struct fuse_ctx *ctx = fuse_req_ctx(req);
     const msgpack_object *res;
     int exclusive = (fi->flags & O_EXCL) != 0;
+    link_lock();
     PREPARE(req, parent);
     PREPARE_CHILD(req, parent, name); /* without O_EXCL it may answer with that file */
     meta_taint(parent);
@@ -451,6 +471,7 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         fuse_reply_buf(req, clean, (size_t)served);
         return;
     }
+    link_lock();
     PREPARE(req, ino);
     uint32_t chunk = io_chunk();
     if (size <= chunk) {
@@ -491,6 +512,7 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
                      struct fuse_file_info *fi)
 {
     (void)fi;
+    link_lock();
     PREPARE(req, ino);
     meta_taint(ino);
     clean_drop(ino); /* before the shard sees the write */
@@ -522,6 +544,7 @@ static void op_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_f
 {
     (void)datasync;
     (void)fi;
+    link_lock();
     PREPARE(req, ino);
     enc_ino("fs.fsync", ino);
     answer_empty(req);
@@ -539,6 +562,7 @@ static void do_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, i
     const msgpack_object *res;
     if (plus && meta_readdirplus(req, ino, size, (uint64_t)off))
         return;
+    link_lock();
     PREPARE(req, ino);
     struct epochs ep = epochs_now();
     enc_readdir(ino, (uint64_t)off, plus, size);
@@ -659,6 +683,7 @@ static void op_statfs(fuse_req_t req, fuse_ino_t ino)
 {
     (void)ino;
     const msgpack_object *res;
+    link_lock();
     enc_statfs();
     int rc = link_call(&res);
     if (rc != 0) {
@@ -683,6 +708,7 @@ static void op_statfs(fuse_req_t req, fuse_ino_t ino)
 static void op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const char *value,
                         size_t size, int flags)
 {
+    link_lock();
     PREPARE(req, ino);
     meta_taint(ino);
     absent_remove(absent_key(ino, name));
@@ -700,6 +726,7 @@ static void op_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t
         fuse_reply_err(req, ENODATA);
         return;
     }
+    link_lock();
     PREPARE(req, ino);
     uint64_t epoch = absent_epoch();
     enc_ino_name("fs.getxattr", ino, name);
@@ -721,6 +748,7 @@ static void op_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t
 static void op_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size)
 {
     const msgpack_object *res;
+    link_lock();
     PREPARE(req, ino);
     enc_ino("fs.listxattr", ino);
     int rc = link_call(&res);
@@ -768,6 +796,7 @@ static void op_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size)
 
 static void op_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name)
 {
+    link_lock();
     PREPARE(req, ino);
     meta_taint(ino);
     absent_remove(absent_key(ino, name));
@@ -779,6 +808,7 @@ static void op_access(fuse_req_t req, fuse_ino_t ino, int mask)
 {
     if (meta_access(req, ino))
         return;
+    link_lock();
     PREPARE(req, ino);
     enc_access(ino, mask);
     answer_empty(req);
@@ -788,6 +818,7 @@ static void op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset,
                          struct fuse_file_info *fi)
 {
     (void)fi;
+    link_lock();
     PREPARE(req, ino);
     meta_taint(ino);
     clean_drop(ino);
@@ -811,6 +842,7 @@ static void op_lseek(fuse_req_t req, fuse_ino_t ino, off_t off, int whence,
     int64_t at;
     if (off >= 0 && meta_lseek(req, ino, (uint64_t)off, whence))
         return;
+    link_lock();
     PREPARE(req, ino);
     enc_lseek(ino, (uint64_t)off, whence);
     int rc = link_call(&res);
@@ -834,6 +866,7 @@ static void op_copy_file_range(fuse_req_t req, fuse_ino_t ino_in, off_t off_in,
     }
     const msgpack_object *res;
     int64_t copied;
+    link_lock();
     PREPARE(req, ino_in);
     PREPARE(req, ino_out);
     meta_taint(ino_out);

@@ -1,17 +1,12 @@
 /*
- * The FUSE session: mount, the request loop, signals, the kernel's cache
- * invalidations, unmount.
+ * The FUSE session: mount, the kernel's cache invalidations, unmount (the
+ * request loop and its signals are bridge_loop.c's).
  *
  * Theory of operation: bridge_mount creates the libfuse3 low-level session
  * with bridge_ops (bridge_ops.c) and mounts it (default_permissions: the
  * kernel checks modes, so the shard never sees ACCESS for plain opens);
- * bridge_run reads one request from /dev/fuse at a time, counts it by
- * opcode and dispatches it, and returns on SIGTERM, SIGINT or SIGHUP (its
- * handlers end the loop; a blocked read returns EINTR, so no SA_RESTART) or
- * when the kernel ends the session (an external unmount).  One thread reads
- * /dev/fuse: the ring link keeps one request in flight (bridge_link.c), and
- * the shard applies a volume's requests one after another, so more readers
- * would only queue behind the same link.
+ * bridge_run (bridge_loop.c) serves it on several threads until a signal
+ * or an external unmount ends it.
  *
  * bridge_notify_inval_* run on the Python watcher thread while the loop
  * runs (libfuse's notify calls are safe from another thread): the shard
@@ -23,7 +18,6 @@
 #include "bridge_internal.h"
 
 #include <errno.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,62 +58,6 @@ int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int 
     return 0;
 }
 
-static void on_signal(int sig)
-{
-    (void)sig;
-    g_bridge.stop = 1;
-    if (g_bridge.se != NULL)
-        fuse_session_exit(g_bridge.se);
-}
-
-void bridge_exit(void) { on_signal(0); }
-
-int bridge_run(int ready_fd)
-{
-    if (g_bridge.se == NULL)
-        return -EINVAL;
-    static const int SIGNALS[] = {SIGTERM, SIGINT, SIGHUP};
-    struct sigaction old[3], sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = 0; /* no SA_RESTART: a blocked read must return EINTR */
-    for (int i = 0; i < 3; i++)
-        sigaction(SIGNALS[i], &sa, &old[i]);
-    int rc = 0;
-    struct fuse_buf fbuf;
-    memset(&fbuf, 0, sizeof fbuf);
-    while (!g_bridge.stop && !fuse_session_exited(g_bridge.se)) {
-        int res = fuse_session_receive_buf(g_bridge.se, &fbuf);
-        if (res == -EINTR || res == -EAGAIN)
-            continue;
-        if (res <= 0) {
-            rc = res;
-            break;
-        }
-        uint32_t opcode = 0;
-        if (!(fbuf.flags & FUSE_BUF_IS_FD) && (size_t)res >= 8) {
-            memcpy(&opcode, (const char *)fbuf.mem + 4, sizeof opcode);
-            bridge_count(opcode < BRIDGE_OPCODES ? (int)opcode : 0);
-        }
-        fuse_session_process_buf(g_bridge.se, &fbuf);
-        if (opcode == BRIDGE_OP_INIT && ready_fd >= 0) {
-            ssize_t w;
-            do
-                w = write(ready_fd, "1", 1);
-            while (w < 0 && errno == EINTR);
-            close(ready_fd);
-            ready_fd = -1;
-        }
-    }
-    free(fbuf.mem);
-    if (ready_fd >= 0)
-        close(ready_fd);
-    for (int i = 0; i < 3; i++)
-        sigaction(SIGNALS[i], &old[i], NULL);
-    return rc == -ENODEV ? 0 : rc;
-}
-
 /* Called from the watcher thread while the session loop runs (libfuse's
  * notify calls are safe from another thread).  -ENOENT (the kernel does not
  * know the inode or name) is not an error: there is nothing to forget. */
@@ -147,8 +85,9 @@ void bridge_unmount(void)
 {
     if (g_bridge.se != NULL) {
         fuse_session_unmount(g_bridge.se);
-        fuse_session_destroy(g_bridge.se);
+        fuse_session_destroy(g_bridge.se); /* DESTROY's callback may take the link */
         g_bridge.se = NULL;
+        link_release();
     }
     bridge_detach();
 }

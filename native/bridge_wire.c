@@ -186,6 +186,7 @@ static void kv_bin(const char *key, const void *p, size_t n)
 /* Start {"seq", "ack", "op", "args": ...}, up to the args' value. */
 void envelope_begin(const char *op)
 {
+    link_lock(); /* the codec buffers are the link's: held until the request is done */
     codec_init();
     msgpack_sbuffer_clear(&g_bridge.sbuf);
     g_bridge.cur_seq = g_bridge.next_seq++;
@@ -596,7 +597,16 @@ int decode_reply(const uint8_t *buf, size_t len, uint64_t *seq,
 
 /* -- tests ----------------------------------------------------------------------- */
 
+static int test_encode(int which, uint8_t *out, uint32_t cap, char *op_out, uint32_t op_cap);
+
 int bridge_test_encode(int which, uint8_t *out, uint32_t cap, char *op_out, uint32_t op_cap)
+{
+    int rc = test_encode(which, out, cap, op_out, op_cap);
+    link_release();
+    return rc;
+}
+
+static int test_encode(int which, uint8_t *out, uint32_t cap, char *op_out, uint32_t op_cap)
 {
     static const char DATA[] = "hello\0world";
     struct fuse_forget_data items[2] = {{.ino = 5, .nlookup = 2}, {.ino = 7, .nlookup = 1}};
@@ -657,7 +667,9 @@ int bridge_test_decode_attr(const uint8_t *msg, uint32_t len, int64_t *out)
 {
     uint64_t seq;
     const msgpack_object *res = NULL;
+    link_lock(); /* g_bridge.unp is the link's */
     int rc = decode_reply(msg, len, &seq, &res, 0);
+    link_release();
     if (rc != 0)
         return rc;
     struct stat st;

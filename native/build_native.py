@@ -66,6 +66,7 @@ SOURCES = (
     "bridge_meta_dir.c",
     "bridge_ops.c",
     "bridge_session.c",
+    "bridge_loop.c",
 )
 HEADERS = ("ring.h", "bridge.h", "bridge_internal.h")
 
@@ -104,6 +105,8 @@ ffibuilder.cdef(
     #define BRIDGE_STAT_META_ANSWERS ...
     #define BRIDGE_RECONNECT_SECONDS ...
     #define BRIDGE_MAX_IO ...
+    #define BRIDGE_LOOP_THREADS ...
+    #define BRIDGE_MAX_LOOP_THREADS ...
 
     int bridge_configure(const char *volume, uint64_t spin_ns);
     int bridge_attach(int req_memfd, int req_eventfd, int rep_memfd, int rep_eventfd,
@@ -113,6 +116,7 @@ ffibuilder.cdef(
                        uint32_t cap);
     int bridge_set_cache_timeout(double seconds);
     int bridge_set_base(int dir_fd);
+    int bridge_set_threads(unsigned n);
     int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback);
     int bridge_run(int ready_fd);
     void bridge_exit(void);

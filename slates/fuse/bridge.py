@@ -5,12 +5,12 @@ Theory of operation
 `python -m slates.fuse.bridge --runtime-dir R --volume VID --mountpoint DIR`
 is one bridge process per mount.  Its per-request path is C
 (native/bridge_*.c, in the slates._native extension): a libfuse3 low-level
-session on a single thread, whose op callbacks encode each kernel request
-as one msgpack `fs.*` request (slates/fuse/PROTOCOL.md), push it onto the
-shared-memory request ring, spin and then park on the reply ring's eventfd
-(polled together with the shard's socket, for liveness), and turn the reply
-into a fuse_reply_*.  All semantics live in the shard that owns the volume;
-Python only sets things up:
+session on one or more loop threads (loop_threads()), whose op callbacks
+encode each kernel request as one msgpack `fs.*` request
+(slates/fuse/PROTOCOL.md), push it onto the shared-memory request ring, spin
+and then park on the reply ring's eventfd (polled together with the shard's
+socket, for liveness), and turn the reply into a fuse_reply_*.  All
+semantics live in the shard that owns the volume; Python only sets things up:
 
 1. read the anchor's state file (slates.node.runtime.Runtime) and find the
    owning shard (slates.node.service.shard_of);
@@ -44,9 +44,11 @@ inode this mount just created: native/bridge_cache.c), so they cost no
 round trip after the first, and none at all for files made in the mount.
 The kernel is also asked for cached symlinks, parallel directory
 operations, asynchronous reads and a deeper background queue
-(max_background 64); the loop stays one thread, because the ring link
-keeps one request in flight and the shard applies a volume's requests in
-order (native/bridge_session.c).
+(max_background 64).  $SLATES_BRIDGE_THREADS loop threads (default one,
+native/bridge_loop.c) may read /dev/fuse: what C answers alone runs side by
+side, while requests to the shard still go one at a time, because the ring
+link keeps one request in flight and the shard applies a volume's requests
+in order.
 LOOKUP, GETATTR, READLINK, ACCESS, LSEEK and READDIRPLUS of untouched
 base entries never reach the shard either: the shard marks directories that
 hold nothing private ("dir" in an ATTR), and C answers their names from the
@@ -129,6 +131,7 @@ from slates.node.runtime import Runtime
 # service time (tens to a couple of hundred microseconds, bench/RESULTS.md)
 # saves the shard an eventfd write and the bridge a wake-up per request.
 REPLY_SPIN_NS = 100_000
+THREADS_ENV = "SLATES_BRIDGE_THREADS"  # loop_threads()
 
 __all__ = [
     "COUNTER_SLOTS",
@@ -137,9 +140,11 @@ __all__ = [
     "RECONNECT_SECONDS",
     "REPLY_LIMIT",
     "STATS",
+    "THREADS_ENV",
     "Bridge",
     "check_mountpoint",
     "kernel_requests",
+    "loop_threads",
     "KERNEL_OPS",
     "hello",
     "main",
@@ -348,6 +353,15 @@ class Bridge:
         rc = lib.bridge_configure(self.volume.encode(), spin)
         if rc < 0:
             raise InvalidArgument("bad volume id for the bridge", volume=self.volume)
+
+    def use_threads(self, count: int) -> None:
+        """How many threads read /dev/fuse (before `mount`); see loop_threads."""
+        if lib.bridge_set_threads(count) < 0:
+            raise InvalidArgument(
+                "the bridge's loop threads are 1 to BRIDGE_MAX_LOOP_THREADS",
+                threads=count,
+                most=lib.BRIDGE_MAX_LOOP_THREADS,
+            )
 
     def use_counter_file(self, path: str | os.PathLike[str]) -> None:
         """Keep the C counters in `path` (created or reset), readable by read_counters."""
@@ -597,6 +611,7 @@ def run_bridge(
     where = check_mountpoint(mountpoint)
     bridge = Bridge(Runtime(runtime_dir), volume)
     bridge.configure()
+    bridge.use_threads(loop_threads())
     if uncached and lib.bridge_set_cache_timeout(0.0) < 0:
         raise InvalidArgument("cannot turn the kernel's entry and attribute caches off")
     if counters is not None:
@@ -622,6 +637,24 @@ def run_bridge(
         _ACTIVE = None
         if ready_fd >= 0:
             os.close(ready_fd)  # EOF without b"1": the caller learns the mount failed
+
+
+def loop_threads() -> int:
+    """The /dev/fuse reader threads: $SLATES_BRIDGE_THREADS, else BRIDGE_LOOP_THREADS.
+
+    Requests answered in C (clean base metadata and reads) then run side by
+    side; requests that go to the shard still go one at a time.  The default
+    is one: on the 2-vCPU host measured (first touch of git/git), a second
+    reader bought no time for git status and cost the bridge CPU for grep -r
+    (cross-CPU wake-ups); more cores may want more.
+    """
+    raw = os.environ.get(THREADS_ENV, "")
+    if not raw:
+        return int(lib.BRIDGE_LOOP_THREADS)
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidArgument(f"{THREADS_ENV} is a thread count", value=raw) from None
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:
