@@ -192,6 +192,19 @@ def test_commit_config_compares_the_epoch(council: Council) -> None:
     assert council.green("g") == second
 
 
+def test_commit_config_can_require_an_alive_key_unchanged(council: Council) -> None:
+    council.create_green(config("g", owner="h1"))
+    assert council.alive_revision("h1") == (None, 0)  # the owner's lease lapsed
+    # The old owner puts its alive key back under a new lease before the successor's commit.
+    council.mark_alive("h1", "b1", council.grant_lease(60))
+    boot, revision = council.alive_revision("h1")
+    assert boot == "b1" and revision > 0
+    assert not council.commit_config(config("g", epoch=2, owner="h2"), 1, ("h1", 0))
+    stored = council.green("g")
+    assert stored is not None and stored.epoch == 1
+    assert council.commit_config(config("g", epoch=2, owner="h2"), 1, ("h1", revision))
+
+
 def _campaign(
     endpoints: list[str],
     prefix: str,

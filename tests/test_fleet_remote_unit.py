@@ -29,6 +29,7 @@ from slates.base.live import LiveDirectory
 from slates.core.host import Host
 from slates.errors import MissingContent, Unavailable, VerificationFailed
 from slates.fleet.config import Peer
+from slates.fleet.link_identity import MadeBy, submission_request
 from slates.fleet.link_submit import Submissions
 from slates.fleet.replica import CHUNK_BYTES, TreeEntry, decode_tree, encode_tree, file_chunks
 from slates.node.events import Event
@@ -402,6 +403,9 @@ def test_an_owner_runs_a_submission_once_and_answers_its_retries() -> None:
         me = Peer("h1", "d1")
         configs: ClassVar[dict[str, Any]] = {}
 
+        def __init__(self) -> None:
+            self.made_by = MadeBy()
+
         async def config(self, green: str) -> Any:
             return types.SimpleNamespace(owner=self.me)
 
@@ -432,6 +436,15 @@ def test_an_owner_runs_a_submission_once_and_answers_its_retries() -> None:
         assert [a["version"] for a in answers] == [1, 1, 1] and len(runs) == 1
         other = await owner.serve("h3", message)  # another host's identity is its own
         assert other["version"] == 2 and len(runs) == 2
+        # A successor's link has no kept replies, only the ledger's identities: a retry
+        # is answered from those, and runs nothing.
+        successor = Submissions("h1", Owning(), peer_call, run, after)  # type: ignore[arg-type]
+        successor.replicator.made_by.record(GREEN, 1, submission_request("h2", "vol-0-1/t/4"))
+        recovered = await successor.serve("h2", message)
+        assert recovered["version"] == 1 and recovered["recovered"] and len(runs) == 2
+        fresh = await successor.serve("h3", {**message, "request": "vol-0-1/t/5"})
+        assert fresh["version"] == 3 and len(runs) == 3
+        assert successor.replicator.made_by.version_of(GREEN, "h3", "vol-0-1/t/5") == 3
 
     trio.run(main)
 

@@ -4,7 +4,8 @@ Pure machines (records in, messages and results out, time passed in):
 `config` (the configuration as an input), `messages` (records and their
 msgpack form), `ledger` (version values, chunks, recomputation), `holder`
 (the acceptor), `owner` with `flight`, `copies`, `recovery` and `results`
-(the proposer, its durability knowledge, failover and saved results), and
+(the proposer, its durability knowledge, failover and saved results),
+`fencing` (whether a host may still make versions of a green it owns), and
 `node` (one host's machines); `replica` maps a real green's versions (tree
 records and chunks) onto those machines' values.  The deterministic simulator: `sim` (entry
 point, `python -m slates.fleet.sim`), `world`, `council`, `simclients` and
@@ -17,5 +18,7 @@ group through etcd's v3 JSON gateway) and `serf` (membership and failure
 verdicts from Debian's serf agent).  The fleet link (`link`, with
 `link_rules`, `link_forward`, `link_client`, and `link_replicate` +
 `link_tree` for replication, durability waits, takeover and recovery of
-real greens) is the process that joins a host to the fleet.
+real greens, `link_fence` for the fence table its shards read, and
+`link_identity` for the submission identities that travel with versions)
+is the process that joins a host to the fleet.
 """

@@ -454,9 +454,9 @@ class Council:
             body["lease"] = str(lease)
         self._gateway.call("/v3/kv/put", body, replay_safe=True)
 
-    def _txn(self, compare: dict[str, Any], key: bytes, value: bytes) -> bool:
+    def _txn(self, compare: list[dict[str, Any]], key: bytes, value: bytes) -> bool:
         body = {
-            "compare": [compare],
+            "compare": compare,
             "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
         }
         payload = self._gateway.call("/v3/kv/txn", body, replay_safe=False)
@@ -500,6 +500,12 @@ class Council:
         """Put the host's alive key under `lease`; NotFound if the lease has expired."""
         self._put(self._key("alive", host), boot_id.encode(), lease.id)
 
+    def alive_revision(self, host: str) -> tuple[str | None, int]:
+        """The boot id under the host's alive key (None without one) and the key's
+        mod_revision (0 without one), for `commit_config`'s `alive_unchanged`."""
+        kv = self._get(self._key("alive", host))
+        return (None, 0) if kv is None else (kv.value.decode(), kv.mod_revision)
+
     def alive_hosts(self) -> dict[str, str]:
         """Host -> boot id, for every host whose lease is still alive."""
         start = len(self._kind_prefix("alive"))
@@ -512,7 +518,7 @@ class Council:
         """Store the first configuration of a green; False if the green already exists."""
         key = self._key("greens", config.green)
         compare = {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        return self._txn(compare, key, encode_green(config))
+        return self._txn([compare], key, encode_green(config))
 
     def green(self, name: str) -> GreenConfig | None:
         kv = self._get(self._key("greens", name))
@@ -532,7 +538,12 @@ class Council:
         current, kvs = self._list(self._kind_prefix("greens"), min_mod_revision=revision + 1)
         return GreenChanges(current, tuple(decode_green(kv.value, kv.mod_revision) for kv in kvs))
 
-    def commit_config(self, new: GreenConfig, expected_epoch: int) -> bool:
+    def commit_config(
+        self,
+        new: GreenConfig,
+        expected_epoch: int,
+        alive_unchanged: tuple[str, int] | None = None,
+    ) -> bool:
         """Replace the green's configuration if it still stands at `expected_epoch`.
 
         False when the stored epoch is not `expected_epoch` or another
@@ -540,6 +551,10 @@ class Council:
         won).  The transaction compares the key's mod_revision with the
         one read, so it succeeds only over exactly the configuration that
         was checked.  `new.revision` is ignored (etcd assigns it).
+        `alive_unchanged` = (host, mod_revision from `alive_revision`): the
+        transaction also requires that host's alive key to be as read (0:
+        still absent), so an old owner that put its alive key back under a
+        new lease meanwhile stops the takeover (slates.fleet.fencing).
         """
         key = self._key("greens", new.green)
         kv = self._get(key)
@@ -549,12 +564,24 @@ class Council:
         if current.epoch != expected_epoch:
             return False
         check_successor(current, new)
-        compare = {
-            "key": _b64(key),
-            "target": "MOD",
-            "result": "EQUAL",
-            "mod_revision": str(kv.mod_revision),
-        }
+        compare = [
+            {
+                "key": _b64(key),
+                "target": "MOD",
+                "result": "EQUAL",
+                "mod_revision": str(kv.mod_revision),
+            }
+        ]
+        if alive_unchanged is not None:
+            host, revision = alive_unchanged
+            compare.append(
+                {
+                    "key": _b64(self._key("alive", host)),
+                    "target": "MOD",
+                    "result": "EQUAL",
+                    "mod_revision": str(revision),
+                }
+            )
         return self._txn(compare, key, encode_green(new))
 
 

@@ -73,11 +73,19 @@ bounds of fleet.sock are slates.fleet.link_local's.
 
 Only the operator's requests are forwarded this session (link_forward's
 docstring): an agent's principal does not yet travel between hosts.
-Known gap: a shard does not consult the fleet's ownership, so an old
-owner that is alive but cut off (a partition, not a loss) still accepts
-submissions from its own local clients; its link's shipping is then
-refused EpochFenced by the holders and a durability wait on it reaches
-only `restart`.
+Fencing (slates.fleet.fencing, slates.fleet.link_fence): a fence loop
+rewrites RUNTIME/fleet-fence.msgpack every FENCE_INTERVAL when it changed:
+per green with a local copy here, whether etcd's configuration names this
+boot as owner (read since the current lease was granted), and until when
+the lease's last keepalive proves this host alive in etcd (`until`: the
+keepalive's send time plus the TTL, less a margin).  The shards read it
+before they make a version (slates.node.green_ops's submit): an owner that
+is cut off (its keepalives fail, so `until` passes; a successor can commit
+only after the lease lapsed) or superseded (etcd names another owner)
+refuses new submissions with EpochFenced, or NotOwner naming the committed
+owner, and a link that dies stops renewing `until`.  At leave the table is
+rewritten with `until` 0 before the lease is revoked; the anchor removes a
+leftover table when it starts.
 
 Bounds: local connections and frames (link_local), QUIC requests and
 replies (LINK_LIMITS: 17 MiB, enough for a shard's largest read), peers
@@ -110,6 +118,7 @@ import collections
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import signal
 import sys
@@ -132,7 +141,9 @@ from slates.errors import (
 )
 from slates.fleet.config import GreenConfig, HolderSet, Peer
 from slates.fleet.etcd import Council, HostRecord, Lease
+from slates.fleet.fencing import build_table, lease_until
 from slates.fleet.hostconfig import HostConfig, load_host_config
+from slates.fleet.link_fence import FenceWriter
 from slates.fleet.link_forward import PeerPool, ShardLines
 from slates.fleet.link_local import LocalSocket
 from slates.fleet.link_remote import RemoteReads
@@ -148,11 +159,12 @@ from slates.fleet.link_rules import (
     fleet_name,
     host_listing,
     parse_local,
+    split_fleet_name,
 )
 from slates.fleet.pki import HostCredentials, load_credentials
 from slates.fleet.quic import TransportLimits, serve
 from slates.fleet.serf import MemberEvent, MembershipWatch, SerfAgent, SerfClient
-from slates.node.protocol import unpack
+from slates.node.protocol import shard_of, unpack
 from slates.node.runtime import Runtime, pid_alive
 
 __all__ = ["FleetLink", "LinkOptions", "SOCKET_NAME", "STATE_NAME", "main", "run_link"]
@@ -170,6 +182,8 @@ MAX_EVENTS: Final = 64
 MAX_GREENS_PER_POLL: Final = 64
 MAX_REGISTERED: Final = 1 << 16
 ETCD_THREADS: Final = 4
+KEEPALIVE_RETRY: Final = 0.5  # seconds before a failed keepalive is tried again
+FENCE_INTERVAL: Final = 0.25  # seconds between rebuilds of the fence table
 
 T = TypeVar("T")
 
@@ -268,6 +282,11 @@ class FleetLink:
         self.registered: set[str] = set()
         self.conflicts: dict[str, str] = {}
         self.lease: Lease | None = None
+        # Fencing (slates.fleet.fencing): when the current lease was granted and until
+        # when its last keepalive proves it alive (monotonic seconds).
+        self.lease_since = 0.0
+        self.lease_proven_until = 0.0
+        self.fence = FenceWriter(runtime.path)
         self.quic_port = 0
         self._etcd = trio.CapacityLimiter(ETCD_THREADS)
         self._last_error: dict[str, str] = {}
@@ -325,8 +344,11 @@ class FleetLink:
 
     async def _join_fleet(self) -> None:
         await self._council(self.council.enroll_host, self.record)
+        sent = time.monotonic()
         self.lease = await self._council(self.council.grant_lease, self.options.lease_ttl)
+        self.lease_proven_until = lease_until(sent, self.lease_ttl)
         await self._council(self.council.mark_alive, self.config.host_id, self.boot_id, self.lease)
+        self.lease_since = time.monotonic()
         _log(f"{self.config.host_id} enrolled with boot {self.boot_id}")
 
     def _attach_serf(self) -> None:
@@ -379,6 +401,11 @@ class FleetLink:
         """Best effort, at exit: the lease revoked, our serf agent stopped, our files gone."""
         for path in (self.socket_path, self.state_path):
             path.unlink(missing_ok=True)
+        try:  # our lease is revoked: a successor may take over at once (fencing.py)
+            self.lease_proven_until = 0.0
+            self.write_fence()
+        except (OSError, SlatesError) as exc:
+            _log(f"could not fence this host's greens: {exc}")
         if self.lease is not None:
             try:
                 self.council.revoke_lease(self.lease)
@@ -414,6 +441,7 @@ class FleetLink:
                 ) as server:
                     self.quic_port = server.port
                     nursery.start_soon(self._keepalive_loop)
+                    nursery.start_soon(self._fence_loop)
                     nursery.start_soon(self._membership_loop)
                     nursery.start_soon(self._register_loop)
                     nursery.start_soon(self._ship_loop)
@@ -437,25 +465,84 @@ class FleetLink:
 
     async def _keepalive_loop(self) -> None:
         interval = self.options.lease_ttl / 3
+        pause = interval
         while True:
-            await trio.sleep(interval)
+            await trio.sleep(pause)
+            # A failed keepalive is tried again soon: the fence's proof runs out at the TTL.
+            pause = min(interval, KEEPALIVE_RETRY)
             try:
                 if self.lease is None:
                     raise NotFound("no lease yet")
+                sent = time.monotonic()
                 await self._council(self.council.keepalive, self.lease)
+                self.lease_proven_until = max(
+                    self.lease_proven_until, lease_until(sent, self.lease_ttl)
+                )
+                pause = interval
                 self._report("keepalive", None)
             except NotFound:
                 try:
+                    # A new lease: what etcd said before our alive key is back under it
+                    # proves nothing (a successor may have committed meanwhile: fencing.py).
+                    self.lease_since = math.inf
+                    sent = time.monotonic()
                     lease = await self._council(self.council.grant_lease, self.options.lease_ttl)
+                    self.lease_proven_until = lease_until(sent, self.lease_ttl)
                     await self._council(
                         self.council.mark_alive, self.config.host_id, self.boot_id, lease
                     )
+                    self.lease_since = time.monotonic()
                     self.lease = lease
+                    pause = interval
                     _log("the lease had lapsed: a new one holds the alive key")
                 except SlatesError as exc:
                     self._report("keepalive", exc)
             except SlatesError as exc:
                 self._report("keepalive", exc)
+
+    @property
+    def lease_ttl(self) -> float:
+        return float(self.options.lease_ttl)
+
+    async def _fence_loop(self) -> None:
+        """Keep RUNTIME/fleet-fence.msgpack current for this host's shards (fencing.py)."""
+        while True:
+            try:
+                self.write_fence()
+                self._report("fencing", None)
+            except (OSError, SlatesError) as exc:
+                self._report("fencing", exc)
+            await trio.sleep(FENCE_INTERVAL)
+
+    def write_fence(self) -> None:
+        replicator = self.replicator
+
+        def local_of(green: str) -> tuple[int, str] | None:
+            if replicator.recovering(green) and green not in replicator.adopted:
+                return None  # its copy here is being made; the old one is superseded
+            try:
+                return replicator.local_of(green)
+            except NotFound:
+                return None
+
+        # Our original copy of a green adopted (or being adopted) again here.
+        superseded = []
+        for name in [*replicator.adopted, *replicator.configs]:
+            host, local = split_fleet_name(name)
+            if host == replicator.me.host and (
+                name in replicator.adopted or replicator.recovering(name)
+            ):
+                superseded.append((shard_of(local), local))
+        table = build_table(
+            replicator.me,
+            replicator.configs.values(),
+            local_of,
+            self.lease_proven_until,
+            self.lease_since,
+            replicator.configs_read_at,
+            superseded,
+        )
+        self.fence.write(table)
 
     async def _membership_loop(self) -> None:
         while True:

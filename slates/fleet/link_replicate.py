@@ -33,7 +33,9 @@ machines, over QUIC:
   suspects, e.g. on a loaded machine, but that still reaches etcd keeps
   its greens), gives up if serf sees the host alive again meanwhile, and
   then commits the successor configuration in etcd (one transaction
-  comparing the old epoch: `Council.commit_config`).  Only a won commit
+  comparing the old epoch and the old owner's alive key as read, so an
+  owner that renewed its presence first keeps its greens:
+  `Council.commit_config`, slates.fleet.fencing).  Only a won commit
   leads to recovery: Prepare to the holders, `recovery.Successor` until a
   write quorum promised, `recovery.adopt`, Gather the chunks it lacks,
   `recovery.verify` (every tree record root-checked, every file chunk
@@ -45,15 +47,22 @@ machines, over QUIC:
   `adopted` maps the name to (shard, local id) for slates.fleet.link's
   request translation.  A commit that loses, or names an epoch that is no
   longer etcd's, raises EpochFenced with the committed owner.
+- Identities.  The value of a version made by a remote submission carries
+  that submission's identity (`made_by`, slates.fleet.link_identity, fed by
+  slates.fleet.link_submit), and a takeover rebuilds the identity ->
+  version table from the adopted chain; `configs_read_at` says when the
+  last whole read of etcd's configurations began (the fence table's proof,
+  slates.fleet.fencing).
 
 Exports and imports of trees through the shard are slates.fleet.link_tree's.
 Bounds: exports are cached up to EXPORT_CACHE_BYTES, placement rounds MAX_PLACE_ROUNDS,
 recovery rounds RECOVERY_ROUNDS, chunk batches CHUNK_BATCH_BYTES, each
 peer exchange LEDGER_TIMEOUT.  Known gaps: the green's policy (private
 paths, rewrites) is not carried to the successor (the adopted green takes
-everything submitted as public), nor are the shard's saved replies (a
-retry after failover of a submission the old owner answered finds its work
-volume gone with the old owner's RAM: NotFound, never a second version),
+everything submitted as public), nor are the shard's saved replies of
+local clients (a retry after failover of a local submission the old owner
+answered finds its work volume gone with the old owner's RAM: NotFound,
+never a second version; remote submissions are answered from `made_by`),
 and every export walks the whole tree.
 """
 
@@ -84,6 +93,7 @@ from slates.fleet.config import GreenConfig, Peer
 from slates.fleet.copies import Copies
 from slates.fleet.holder import Holder
 from slates.fleet.ledger import ChunkStore, Value, chunk_id
+from slates.fleet.link_identity import MadeBy
 from slates.fleet.link_rules import fleet_name, split_fleet_name
 from slates.fleet.link_tree import ShardTrees
 from slates.fleet.messages import (
@@ -184,6 +194,8 @@ class Replicator:
         self._alive = alive_hosts
         self._log = log
         self.configs: dict[str, GreenConfig] = {}
+        self.configs_read_at = 0.0  # monotonic start of the last whole read (fencing.py)
+        self.made_by = MadeBy()  # which remote submission made which version
         self.shipping: dict[str, Shipping] = {}
         self.adopted: dict[str, tuple[int, str]] = {}  # fleet name -> (shard, local id)
         self.takeovers: dict[str, str] = {}  # fleet name -> outcome, for `hosts`
@@ -193,8 +205,10 @@ class Replicator:
 
     async def refresh(self) -> None:
         """Every green's configuration from etcd (the link calls it once per poll)."""
+        started = time.monotonic()
         configs = await self._council_call(self._council.greens)
         self.configs = {c.green: c for c in configs}
+        self.configs_read_at = started
         for config in configs:
             self.holder.install(config)
             shipping = self.shipping.get(config.green)
@@ -283,6 +297,10 @@ class Replicator:
         found = shipping.exports.get(position)
         if found is not None:
             return found
+        await self.made_by.quiet(shipping.name)  # a run going may be making this version
+        found = shipping.exports.get(position)
+        if found is not None:
+            return found
         tree, chunks = await self.trees.export(shipping.shard, shipping.local, position - 1)
         if position == 1:
             previous = b""
@@ -294,7 +312,8 @@ class Replicator:
                 else (await self.trees.export(shipping.shard, shipping.local, position - 2))[0]
             )
         origin = split_fleet_name(shipping.name)[0]  # every owner of the green makes one value
-        value, tree_chunk = version_value(origin, position - 1, previous, tree)
+        request = self.made_by.request_of(shipping.name, position - 1)
+        value, tree_chunk = version_value(origin, position - 1, previous, tree, request)
         chunks[tree_chunk] = tree
         export = Export(tree, chunks, value)
         shipping.exports[position] = export
@@ -506,9 +525,28 @@ class Replicator:
                     expected=expected_epoch,
                     owner_host=current.owner.host,
                 )
+            # The owner boot's lease must have lapsed, and its host must not put its alive
+            # key back before our commit (the transaction compares it): until then the
+            # owner may still prove its ownership and serve (slates.fleet.fencing).
+            owner_host = current.owner.host
+            boot, alive = await self._council_call(self._council.alive_revision, owner_host)
+            if boot == current.owner.boot:
+                raise Unavailable(
+                    "the owner's lease in etcd still lives: it may still be serving",
+                    green=green,
+                    owner_host=owner_host,
+                )
             new = successor_config(current, self.me)
-            if not await self._council_call(self._council.commit_config, new, expected_epoch):
+            if not await self._council_call(
+                self._council.commit_config, new, expected_epoch, (owner_host, alive)
+            ):
                 now = await self._council_call(self._council.green, green)
+                if now is not None and now.epoch == expected_epoch:
+                    raise Unavailable(
+                        "the owner's host came back to etcd before the takeover committed",
+                        green=green,
+                        owner_host=owner_host,
+                    )
                 raise EpochFenced(
                     "another candidate committed first",
                     green=green,
@@ -519,6 +557,8 @@ class Replicator:
             started = time.monotonic()
             shard, local, successor, store = await self._recover(committed)
             chain = successor.chain or ()
+            # The submissions that made the versions: a retry gets its version back.
+            self.made_by.adopt_chain(green, (entry.value for entry in chain))
             self.adopted[green] = (shard, local)
             shipping = Shipping(green, shard, local, committed)
             # What the promisers hold is not shipped again, and the adopted values are

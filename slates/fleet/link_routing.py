@@ -9,13 +9,16 @@ the cached configuration of the green such an id names (`<id>@<names>`)
 has an owner on another host than the target, `forward` answers NotOwner
 with `owner_host` and the client resends there (slates.fleet.link_client).
 The serving link (`serve`) refuses the same way, and translates the ids
-of a green it adopted into its local copy's (as another client id,
+of a green it adopted into its local copy's (this host's own ids too, when
+it adopted its own original green again after a failover and back; as another client id,
 link_rules.adopted_client_id, since the client numbers its requests per
 original host); new volumes it makes for such a request are answered as
 `<id>@<this host>`.  A local client's forward to another host for a green
 this host owns now (it took it over) is served here, not sent to the
 green's old host.  Only the link routes by ownership: a local client of
-a host's anchor reaches its shard directly (known gap, slates.fleet.link).
+a host's anchor reaches its shard directly: a submission there to a green
+this host no longer owns is refused by the fence table (slates.fleet.fencing),
+but a read of a superseded local id reads that old copy (known gap).
 
 Requests arriving over QUIC (`handle_remote`: forwards, ledger messages
 for slates.fleet.link_replicate, durability waits, remote work volume asks
@@ -276,8 +279,10 @@ class Routing:
             owner = replicator.owner_elsewhere(name)
             if owner is not None and owner != me:  # etcd moved it on: even an adopted copy
                 raise NotOwner("the green has another owner", green=name, owner_host=owner)
-            if names != me:
-                adopted = replicator.adopted.get(name)
+            adopted = replicator.adopted.get(name)
+            # This host's own id, too, once it adopted that green again from the holders
+            # (its original copy here is superseded: slates.fleet.fencing).
+            if names != me or adopted is not None:
                 if adopted is None and replicator.recovering(name):
                     raise Unavailable("the green is being recovered here", green=name)
                 if adopted is None:

@@ -33,10 +33,15 @@ carries the same identity, also after a shard restart dropped the job.
   kept, and their replies dropped (the peer sees Unavailable, as if the
   reply were lost, and resends over a new connection).
 
-Known gap: `answered` is in memory, per owner link: a retry that reaches a
-restarted link, or a new owner after a failover, runs the submission again
-(the merge then usually answers the same changes without conflicts, as an
-empty increment on top of the version it made).
+A retry that reaches a new owner after a failover (or this owner after
+`answered` forgot it) is answered from the ledger: the version a submission
+made carries its identity into the replicated value, and the successor's
+recovery rebuilds identity -> version (slates.fleet.link_identity), so
+`owned` answers `recovered_reply` (the version, `recovered: true`) instead of
+running it again.  Each run is bracketed by `made_by.started` / `ended`, so
+no export of the green goes out before the run reported its version.
+Known gap: a restarted owner link (a new boot) has neither its kept replies
+nor its own ledger table; the successor's recovery is what restores them.
 """
 
 from __future__ import annotations
@@ -49,10 +54,12 @@ from typing import Any, Final
 import trio
 
 from slates.errors import InvalidArgument, NotOwner, SlatesError, Unavailable
+from slates.fleet.ledger import RequestId
+from slates.fleet.link_identity import submission_request
 from slates.fleet.link_replicate import Replicator
 from slates.node.protocol import pack, unpack
 
-__all__ = ["MAX_ANSWERED", "Submissions", "submission_identity"]
+__all__ = ["MAX_ANSWERED", "Submissions", "recovered_reply", "submission_identity"]
 
 MAX_ANSWERED: Final = 1024  # kept replies per owner link
 MAX_IDENTITY: Final = 200
@@ -103,6 +110,7 @@ class Submissions:
         )
         self.running: dict[tuple[str, str], _Running] = {}
         self.runs = 0  # submissions this link ran on its shards (kept answers excluded)
+        self.recovered = 0  # retries answered from the ledger's identities (link_identity)
         self.drops = 0
 
     # -- origin
@@ -167,12 +175,24 @@ class Submissions:
                 raise Unavailable("the first run of this submission did not end", request=identity)
         reply = self.answered.get(key)
         if reply is None:
+            made = self.replicator.made_by.version_of(green, peer, identity)
+            if made is not None:  # made before a failover (or long ago): the ledger knows
+                reply = recovered_reply(made, message)
+                self.recovered += 1
+                self._keep(key, reply)
+        if reply is None:
             running = self.running[key] = _Running()
+            made_here: tuple[int, RequestId] | None = None
+            self.replicator.made_by.started(green)
             try:
                 reply = await self._run(green, message)
                 self.runs += 1
+                version = reply.get("version")
+                if reply.get("made_version") is True and isinstance(version, int):
+                    made_here = (version, submission_request(peer, identity))
                 self._keep(key, reply)
             finally:
+                self.replicator.made_by.ended(green, made_here)
                 del self.running[key]
                 running.done.set()
         else:
@@ -191,4 +211,35 @@ class Submissions:
         return {"drop_replies": count}
 
     def stats(self) -> dict[str, Any]:
-        return {"runs": self.runs, "answered": len(self.answered), "running": len(self.running)}
+        return {
+            "runs": self.runs,
+            "answered": len(self.answered),
+            "running": len(self.running),
+            "recovered": self.recovered,
+        }
+
+
+def recovered_reply(version: int, message: dict[str, Any]) -> dict[str, Any]:
+    """The answer to a retry of a submission that made `version` under an earlier owner
+    (its reply was that owner's RAM): the version, and the paths the ops named."""
+    ops = message.get("ops")
+    paths: set[str] = set()
+    if isinstance(ops, list):
+        for item in ops:
+            if isinstance(item, list) and len(item) == 2 and isinstance(item[1], dict):
+                path = item[1].get("path")
+                if isinstance(path, str):
+                    paths.add(path)
+    return {
+        "ok": True,
+        "version": version,
+        "conflicts": [],
+        "made_version": True,
+        "nothing": False,
+        "dry_run": False,
+        "private": [],
+        "paths": sorted(paths),
+        "refined": [],
+        "literal": [],
+        "recovered": True,
+    }

@@ -179,15 +179,21 @@ def decode_tree(data: bytes) -> tuple[TreeEntry, ...]:
 
 
 def version_value(
-    owner_host: str, version: int, previous_tree: bytes, tree: bytes
+    owner_host: str,
+    version: int,
+    previous_tree: bytes,
+    tree: bytes,
+    request: RequestId | None = None,
 ) -> tuple[Value, bytes]:
     """The ledger value of green version `version` and its tree chunk's id.
 
-    The request id names the owner host and the position: the shard's own
-    request identity does not travel in this value (the shard keeps saved
-    replies for its clients itself)."""
+    `request` is the identity of the remote submission that made the version
+    (slates.fleet.link_identity), so a successor answers its retry with this
+    version; without one the request id names the owner host and the position
+    (a local client's submission: its shard keeps saved replies itself)."""
     position = position_of(version)
-    request = RequestId(owner_host, EXPORT_CLIENT, position)
+    if request is None:
+        request = RequestId(owner_host, EXPORT_CLIENT, position)
     value, _chunks, content = make_value(
         request, 0, position - 1, previous_tree, [Replace(0, len(previous_tree), tree)]
     )

@@ -202,6 +202,8 @@ class Anchor:
                 pid=state.pid,
                 runtime_dir=str(self.runtime.path),
             )
+        # A fence table of an earlier boot's fleet link names greens gone with its RAM.
+        (self.runtime.path / "fleet-fence.msgpack").unlink(missing_ok=True)
         # Virtual sizes (memfds are sparse), derived from the capacity and the machine's RAM.
         sizes = default_segment_sizes(self.capacity, self.shard_count, ram_bytes())
         self.pool, self.pool_fd = HostPool.create(self.capacity, self.shard_count)

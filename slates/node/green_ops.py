@@ -12,6 +12,10 @@ service (which applies each one before journaling it).
   all of that succeeds does the green restart as that clone and a
   VersionMade follow.  The work volume then moves onto its version
   (WorkRebased), or, with no room to move, keeps its base (WorkHeld).
+  On a fleet host a submission (not a dry run) first asks the fleet link's
+  fence table (ShardService.fence, slates.fleet.link_fence): a host that
+  cannot prove it still owns the green refuses it (EpochFenced, or NotOwner
+  naming the committed owner) before anything is sealed.
 - `rebase`: the same mapping onto the head, without making a version.
 - Restarts (`restart_as`) keep a volume's numbering, handles and kernel
   references, so a mount goes on; the entries that changed under a mounted
@@ -367,6 +371,8 @@ class GreenOps:
         vid, volume, green, base = self._work(args)
         dry_run = bool_arg(args, "dry_run")
         service = self.service
+        if not dry_run:  # a fleet host that cannot prove it owns the green makes no version
+            service.fence.admit(service.index, green)
         ledger = service.ledger.greens[green]
         if self._unchanged_since_held(vid, volume):
             return self._submit_reply(ledger, _NOTHING, nothing=True, dry_run=dry_run)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterable
 from types import GeneratorType
 from typing import Any
@@ -61,6 +62,7 @@ from slates.errors import (
     Unavailable,
     VerificationFailed,
 )
+from slates.fleet.link_fence import FenceReader
 from slates.merge.private import PrivateMatcher
 from slates.node.args import int_arg as _int_arg
 from slates.node.args import path_arg as _path_arg
@@ -137,7 +139,13 @@ class ShardService(ShardState):
             remote = self.remote.open(key)  # a remote green version (slates.node.remote_ops)
             return open_base(key) if remote is None else remote
 
-        self.remote = RemoteOps(self, LinkCalls(protected[0] if protected else None))
+        runtime_dir = protected[0] if protected else None
+        self.remote = RemoteOps(self, LinkCalls(runtime_dir))
+        # The fleet link's fence table: whether this host may still make versions of a
+        # green it owns in the fleet (slates.fleet.fencing); one stat per submission.
+        self.fence = FenceReader(
+            runtime_dir, lambda text: print(f"shard {index}: {text}", file=sys.stderr)
+        )
         super().__init__(index, host, open_any_base, approver_key, protected)
         # Where agents may name bases and landing targets (the operator anywhere).
         self.allow_roots = tuple(os.path.realpath(root) for root in allow_roots)
