@@ -908,15 +908,28 @@ def work() -> None:
     default=None,
     help="Start from version N (default: the head).",
 )
+@click.option(
+    "--at",
+    type=click.Choice(["here", "owner"]),
+    default="here",
+    show_default=True,
+    help="Another host's green: make the volume on this host (its content read from the "
+    "holders as it is used) or on the green's owner.",
+)
 @runtime_dir_option
 @json_option
 def work_create(
-    green_ref: str, name: str, version: int | None, runtime_dir: str | None, as_json: bool
+    green_ref: str,
+    name: str,
+    version: int | None,
+    at: str,
+    runtime_dir: str | None,
+    as_json: bool,
 ) -> None:
     """Create work volume NAME on a version of GREEN (by id or unique name); nothing is copied."""
     with _client(runtime_dir) as client:
         info: dict[str, Any] = client.create_work(
-            client.resolve(green_ref, "green"), name, version=version
+            client.resolve(green_ref, "green"), name, version=version, at=at
         )
     if as_json:
         _echo_json(info)

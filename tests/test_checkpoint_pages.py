@@ -1,6 +1,7 @@
-"""Incremental checkpoints (issue 14): a checkpoint copies only the page buffers that
-changed since the last one; the published one survives a shard killed mid-write; and
-restarts after many incremental checkpoints restore exact content."""
+"""Page buffers in the checkpoint segment (issue 14): a written byte is copied once into
+the page area and a checkpoint copies none; a piece the published checkpoint names is
+copied on write; the published one survives a shard killed mid-write; and restarts
+after many checkpoints restore exact content."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from slates.errors import CapacityExhausted, VerificationFailed
 from slates.node import shard as shard_module
 from slates.node.checkpoints import PIECE_BYTES, Checkpoints, PageArea
 from slates.node.journal import PAGE, Segment, create_segment
+from slates.node.memory import segment_bytes
 from tests.test_shard_recovery import call
 
 MiB = 1 << 20
@@ -59,8 +61,9 @@ def _buffer_lengths(shard: shard_module.Shard, vid: str) -> dict[int, int]:
     return {bid: len(b) for bid, b in shard.service.volumes[vid]._buffers.items()}
 
 
-def test_a_checkpoint_copies_only_what_changed(segments: Segments) -> None:
+def test_a_write_is_copied_once_and_a_checkpoint_copies_nothing(segments: Segments) -> None:
     shard = segments.shard()
+    pages = shard.checkpoints.pages
     vid = call(shard, 1, "volume.create", name="v")["id"]
     seq = 1
     for index in range(6):
@@ -68,32 +71,52 @@ def test_a_checkpoint_copies_only_what_changed(segments: Segments) -> None:
         call(shard, seq, "write", volume=vid, path=f"/f{index}", data=os.urandom(64 << 10))
     seq += 1
     call(shard, seq, "write", volume=vid, path="/big", data=os.urandom(3 * MiB + 5))
-    shard.checkpoint()
-    first = shard.checkpoints.copied_bytes
-    assert first == sum(_buffer_lengths(shard, vid).values())  # all of it, once
+    held = sum(_buffer_lengths(shard, vid).values())
+    assert pages.written_bytes == held and pages.copied_bytes == 0  # once, into place
+    assert (
+        pages.live_bytes
+        == held
+        == shard.host.private_bytes - shard.service.volumes[vid].metadata_bytes
+    )
 
-    shard.checkpoint()  # nothing changed: nothing copied
-    assert shard.checkpoints.copied_bytes == first
+    shard.checkpoint()
+    shard.checkpoint()  # nothing is copied by a checkpoint, changed or not
+    assert (pages.written_bytes, pages.copied_bytes) == (held, 0)
 
     seq += 1
     call(shard, seq, "write", volume=vid, path="/f3", data=b"small change", offset=100)
-    shard.checkpoint()
-    assert shard.checkpoints.copied_bytes - first == 64 << 10  # that one buffer
+    assert pages.copied_bytes == 64 << 10  # its published piece, copied on write
+    seq += 1
+    call(shard, seq, "write", volume=vid, path="/f3", data=b"again", offset=300)
+    assert pages.copied_bytes == 64 << 10  # the copy is nobody's but ours: in place
 
-    before = shard.checkpoints.copied_bytes
     seq += 1
     call(shard, seq, "write", volume=vid, path="/big", data=b"edit", offset=2 * MiB + 7)
+    assert pages.copied_bytes == (64 << 10) + PIECE_BYTES  # one piece of it
     shard.checkpoint()
-    assert shard.checkpoints.copied_bytes - before == PIECE_BYTES  # one piece of it
 
-    before = shard.checkpoints.copied_bytes
+    before = pages.copied_bytes
     seq += 1
     call(shard, seq, "write", volume=vid, path="/big", data=b"+" * 10, offset=3 * MiB + 5)
-    shard.checkpoint()  # an append rewrites the last piece only
-    assert shard.checkpoints.copied_bytes - before == PAGE
+    assert pages.copied_bytes - before == PAGE  # an append copies its last page only
 
-    restarted = segments.shard()
+    # What the host counts is what the segments hold: each page once (as private
+    # bytes), the published copies and the journal as the shard's overhead.
+    journal_fd, checkpoint_fd, _arena_fd = segments.fds
+    volume = shard.service.volumes[vid]
+    host = shard.host
+    assert host.held_bytes == (
+        segment_bytes(journal_fd)
+        + segment_bytes(checkpoint_fd)
+        + host.chunk_bytes
+        + host.snapshot_metadata_bytes
+        + volume.metadata_bytes
+        + volume.inflight_bytes
+    )
+
+    restarted = segments.shard()  # the checkpoint, and the journal after it
     assert restarted.service.volumes[vid]._buffers == shard.service.volumes[vid]._buffers
+    assert restarted.checkpoints.pages.live_bytes == held
 
 
 def test_a_deleted_file_gives_its_checkpoint_pages_back(segments: Segments) -> None:
@@ -113,8 +136,8 @@ def test_damaged_page_bytes_raise_verification_failed(segments: Segments) -> Non
     vid = call(shard, 1, "volume.create", name="v")["id"]
     call(shard, 2, "write", volume=vid, path="/f", data=b"precious" * 1000)
     shard.checkpoint()
-    (where,) = shard.service.volumes[vid]._placed.values()
-    assert isinstance(where, list)
+    (buffer,) = shard.service.volumes[vid]._buffers.values()
+    where, _pieces = shard.checkpoints.pages.place(buffer)
     segment = Segment(segments.fds[1])
     try:
         segment.map[where[0] + 5] ^= 0xFF
@@ -126,7 +149,24 @@ def test_damaged_page_bytes_raise_verification_failed(segments: Segments) -> Non
         segment.close()
 
 
-def test_a_full_segment_skips_the_checkpoint_and_keeps_the_published_one() -> None:
+def test_a_full_page_area_refuses_the_write_and_changes_nothing() -> None:
+    segments = Segments(checkpoint_bytes=PAGE + 12 * MiB)
+    try:
+        shard = segments.shard()
+        vid = call(shard, 1, "volume.create", name="v")["id"]
+        call(shard, 2, "write", volume=vid, path="/a", data=b"a" * (5 * MiB))
+        call(shard, 3, "write", volume=vid, path="/b", data=b"")
+        free = shard.checkpoints.area.free_bytes
+        with pytest.raises(AssertionError, match="CapacityExhausted"):
+            call(shard, 4, "write", volume=vid, path="/b", data=b"b" * (8 * MiB))
+        assert shard.checkpoints.area.free_bytes == free
+        assert call(shard, 5, "read", volume=vid, path="/b") == b""
+        assert call(segments.shard(), 6, "read", volume=vid, path="/a") == b"a" * (5 * MiB)
+    finally:
+        segments.close()
+
+
+def test_a_document_that_does_not_fit_skips_the_checkpoint_and_keeps_the_published_one() -> None:
     segments = Segments(checkpoint_bytes=PAGE + 12 * MiB)
     try:
         shard = segments.shard()
@@ -134,14 +174,43 @@ def test_a_full_segment_skips_the_checkpoint_and_keeps_the_published_one() -> No
         call(shard, 2, "write", volume=vid, path="/a", data=b"a" * (5 * MiB))
         shard.checkpoint()
         generation = shard.journal.generation
-        call(shard, 3, "write", volume=vid, path="/b", data=b"b" * (8 * MiB))
-        shard.checkpoint()  # does not fit: logged, skipped
+        # Every piece of /a copied on write: the published checkpoint keeps the old ones.
+        call(shard, 3, "write", volume=vid, path="/a", data=b"A" * (5 * MiB))
+        rest = shard.checkpoints.area.free_bytes
+        call(shard, 4, "write", volume=vid, path="/c", data=b"c" * rest)  # fills the area
+        assert shard.checkpoints.area.free_bytes == 0
+        shard.checkpoint()  # its document does not fit: logged, skipped
         assert shard.journal.generation == generation
+        restarted = segments.shard()  # the old checkpoint and the journal after it
+        assert call(restarted, 5, "read", volume=vid, path="/a") == b"A" * (5 * MiB)
+        assert call(restarted, 6, "read", volume=vid, path="/c") == b"c" * rest
+        call(restarted, 7, "unlink", volume=vid, path="/c")
+        restarted.checkpoint()  # fits now, and frees the old copy of /a
+        assert restarted.journal.generation == generation + 1
+        assert restarted.checkpoints.area.free_bytes >= 12 * MiB - 5 * MiB - 2 * PAGE
+        assert call(segments.shard(), 8, "read", volume=vid, path="/a") == b"A" * (5 * MiB)
+    finally:
+        segments.close()
+
+
+def test_published_copies_are_freed_before_they_crowd_out_new_pages() -> None:
+    segments = Segments(checkpoint_bytes=PAGE + 12 * MiB)
+    try:
+        shard = segments.shard()
+        vid = call(shard, 1, "volume.create", name="v")["id"]
+        call(shard, 2, "write", volume=vid, path="/a", data=b"a" * (5 * MiB))
+        shard.checkpoint()
+        generation = shard.journal.generation
+        call(shard, 3, "write", volume=vid, path="/a", data=b"A" * (5 * MiB))  # all copied
+        assert shard.checkpoints.pages.stale_bytes == 5 * MiB
+        call(shard, 4, "write", volume=vid, path="/c", data=b"c" * MiB)  # the area runs low
+        # The next request checkpoints first: the old copy of /a goes, /d fits.
+        call(shard, 5, "write", volume=vid, path="/d", data=b"d" * (4 * MiB))
+        assert shard.journal.generation == generation + 1
+        assert shard.checkpoints.pages.stale_bytes == 0
         restarted = segments.shard()
-        assert call(restarted, 4, "read", volume=vid, path="/b") == b"b" * (8 * MiB)
-        assert call(restarted, 5, "read", volume=vid, path="/a") == b"a" * (5 * MiB)
-        with pytest.raises(CapacityExhausted):
-            restarted.checkpoints.area.take(13 * MiB)
+        assert call(restarted, 6, "read", volume=vid, path="/a") == b"A" * (5 * MiB)
+        assert call(restarted, 7, "read", volume=vid, path="/d") == b"d" * (4 * MiB)
     finally:
         segments.close()
 
@@ -158,17 +227,17 @@ _CHILD = textwrap.dedent(
     kill_after = int(sys.argv[4])
     shard = shard_module.Shard(0, *fds, capacity=1 << 30)
     shard.recover()
-    copy = checkpoints.Checkpoints._copy
-    copies = 0
+    place = checkpoints.Checkpoints.place
+    places = 0
 
-    def dying_copy(self, view, lo, hi, out):
-        global copies
-        copies += 1
-        if copies > kill_after:
+    def dying_place(self, buffer):
+        global places
+        places += 1
+        if places > kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
-        copy(self, view, lo, hi, out)
+        return place(self, buffer)
 
-    checkpoints.Checkpoints._copy = dying_copy
+    checkpoints.Checkpoints.place = dying_place
     shard.checkpoint()
     os.kill(os.getpid(), signal.SIGKILL)  # after the publish, before the journal's turn
     """
@@ -206,7 +275,7 @@ def test_a_shard_killed_while_writing_a_checkpoint_leaves_the_old_one(segments: 
             got = call(
                 restarted, number + 1, "read", f"checker-{kill_after}", volume=vid, path=path
             )
-            assert got == data, f"seed {seed}, killed after {kill_after} copies: {path}"
+            assert got == data, f"seed {seed}, killed after {kill_after} places: {path}"
 
 
 # -- restarts after incremental checkpoints, against a model ---------------------------
@@ -355,22 +424,20 @@ def test_a_document_scatters_over_a_fragmented_area_and_reads_back() -> None:
     try:
         checkpoints = Checkpoints(segment)
         assert checkpoints.read() is None
-        buffers = [bytearray([i]) * PAGE for i in range(60)]
-        where: list[Any] = [None] * len(buffers)
+        buffers = [checkpoints.pages.new([bytes([i]) * PAGE]) for i in range(60)]
+        where: list[Any] = []
 
         def build(document: bytes) -> Any:
             def make(store: Checkpoints) -> tuple[bytes, Callable[[], None]]:
-                placed = [store.place(b, at, None) for b, at in zip(buffers, where, strict=True)]
-
-                def published() -> None:
-                    where[:] = placed
-
-                return document, published
+                where[:] = [store.place(b) for b in buffers]
+                return document, lambda: None
 
             return make
 
         checkpoints.write(1, build(b"d" * 10))
-        del buffers[::2], where[::2]  # every other page of the area comes free
+        for buffer in buffers[::2]:
+            checkpoints.pages.free(buffer)
+        del buffers[::2]  # every other page of the area comes free (once published)
         checkpoints.write(2, build(b"e" * 10))
         assert max(hi - lo for lo, hi in checkpoints.area.gaps()) < 12 * PAGE
         document = os.urandom(12 * PAGE)  # larger than any free range

@@ -16,16 +16,16 @@ checkpoint of 400 MiB of private pages would otherwise hold them twice
 more in the heap while it is written).  Base readers are not data: the blob
 keeps `base_key(reader)` and loading calls `open_base(key)` once per key.
 
-Placed pages.  A writer that keeps page buffers in a store of its own
-between checkpoints (the shard's checkpoint segment) passes a PageStore:
-`dump_placed` then asks the store to place each buffer, giving it the
-buffer's previous location and the range that changed since (the volume
-tracks both), and the document records each buffer's location instead of
-its bytes, so an unchanged buffer costs nothing to checkpoint again.
-Once the writer has published that document it calls `mark_placed`, and
-the volumes remember the new locations; a checkpoint that is not
-published leaves them as they were.  `load_state(..., pages=store)`
-fetches each buffer from its location and remembers it as placed.
+Placed pages.  A writer whose page buffers already live in a store of its
+own (the shard's checkpoint segment is the host's PageMemory there,
+slates.node.page_area) passes a PageStore: `dump_placed` asks it where
+each buffer is (`place`: nothing is copied), and the document records
+each buffer's location instead of its bytes.  Keeping those locations
+intact until the next checkpoint is published is the store's business
+(copy on write).  `load_state(..., pages=store)` takes each buffer from
+its location (`fetch`: the volume then uses the stored bytes themselves);
+a blob with the bytes after it makes each buffer in the host's
+PageMemory.
 
 Sharing.  Roots share Inode objects (a volume with its snapshots and
 clones).  The blob keeps that sharing instead of multiplying it:
@@ -74,7 +74,7 @@ import immutables
 import msgpack
 
 from slates.core.extents import PAGE, BaseSpan, ChunkSpan, Extent, PageSpan
-from slates.core.host import Host
+from slates.core.host import Host, PageBuffer
 from slates.core.origin import NEW
 from slates.core.records import Fingerprint, Kind
 from slates.core.volume import (
@@ -100,12 +100,10 @@ __all__ = [
     "VERSION",
     "LoadedState",
     "PageStore",
-    "Placement",
     "dump_placed",
     "dump_state",
     "dump_state_pieces",
     "load_state",
-    "mark_placed",
 ]
 
 # Blob layout, version 1 (msgpack; enums are ints, bytes are bin; `idx` is a
@@ -194,32 +192,16 @@ V = TypeVar("V")
 
 
 class PageStore(Protocol):
-    """Where a checkpoint writer keeps page buffers between checkpoints."""
+    """Where a checkpoint writer's page buffers are kept (the store that holds them)."""
 
-    def place(self, buffer: bytearray, where: Any, changed: tuple[int, int] | None) -> Any:
-        """Store `buffer` for the checkpoint being written; return its location (msgpack
-        data).  `where` is its location in the published checkpoint (None: never
-        placed), `changed` the range [lo, hi) of its bytes changed since (None: none;
-        hi may lie past its end).  Nothing the published checkpoint uses may change."""
+    def place(self, buffer: PageBuffer) -> Any:
+        """`buffer`'s location for the checkpoint being written (msgpack data); the
+        store keeps what it names unchanged while that checkpoint may be loaded."""
         ...
 
-    def fetch(self, where: Any, length: int) -> bytearray:
-        """The `length` bytes of the buffer placed at `where` (checked: damage raises)."""
+    def fetch(self, where: Any, length: int) -> PageBuffer:
+        """The `length`-byte buffer placed at `where` (checked: damage raises)."""
         ...
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Placement:
-    """Where a written checkpoint placed each volume's buffers: `mark_placed` adopts it."""
-
-    volumes: tuple[tuple[Volume, tuple[tuple[int, Any], ...]], ...]
-
-
-def mark_placed(placement: Placement) -> None:
-    """The checkpoint of `placement` is published: its locations are the volumes' now."""
-    for volume, placed in placement.volumes:
-        volume._placed = dict(placed)
-        volume._changed = {}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -431,9 +413,11 @@ def dump_state_pieces(
     given (needed when there are only snapshots).  Names must be unique
     across volumes and snapshots (load reports failures by name).
     """
-    head, pages, _placement = _document(volumes, snapshots, base_key, host, None)
+    head, pages = _document(volumes, snapshots, base_key, host, None)
     yield head
-    yield from pages
+    for buffer in pages:
+        # A heap buffer goes out as it is; one kept elsewhere is read out, one at a time.
+        yield buffer if isinstance(buffer, bytearray) else buffer[0 : len(buffer)]
 
 
 def dump_placed(
@@ -443,12 +427,11 @@ def dump_placed(
     pages: PageStore,
     *,
     host: Host | None = None,
-) -> tuple[bytes, Placement]:
-    """The checkpoint document of `volumes` and `snapshots`, each page buffer placed in
-    `pages` (see `dump_state_pieces`): the blob, with no page bytes after it, and the
-    placement to `mark_placed` once the blob is published."""
-    head, _pages, placement = _document(volumes, snapshots, base_key, host, pages)
-    return head, placement
+) -> bytes:
+    """The checkpoint document of `volumes` and `snapshots`, each page buffer named by
+    its location in `pages` (see `dump_state_pieces`): the blob, no page bytes after it."""
+    head, _pages = _document(volumes, snapshots, base_key, host, pages)
+    return head
 
 
 def _document(
@@ -457,8 +440,8 @@ def _document(
     base_key: Callable[[BaseReader], str],
     host: Host | None,
     store: PageStore | None,
-) -> tuple[bytes, list[bytearray], Placement]:
-    """[length][document], the buffers to follow it (none when placed), the placement."""
+) -> tuple[bytes, list[PageBuffer]]:
+    """[length][document], and the buffers to follow it (none when placed)."""
     both = volumes.keys() & snapshots.keys()
     if both:
         raise InvalidArgument("a name is both a volume and a snapshot", names=sorted(both)[:8])
@@ -483,8 +466,7 @@ def _document(
         return key
 
     encoder = _Encoder()
-    pages: list[bytearray] = []
-    placed: list[tuple[Volume, tuple[tuple[int, Any], ...]]] = []
+    pages: list[PageBuffer] = []
     volume_docs: list[dict[str, Any]] = []
     for name, volume in volumes.items():
         buffer_ids = sorted(volume._buffers)
@@ -492,15 +474,7 @@ def _document(
             where: list[Any] = [None] * len(buffer_ids)
             pages += [volume._buffers[bid] for bid in buffer_ids]
         else:
-            where = [
-                store.place(
-                    volume._buffers[bid],
-                    volume._placed.get(bid),
-                    volume._changed.get(bid) if bid in volume._placed else None,
-                )
-                for bid in buffer_ids
-            ]
-            placed.append((volume, tuple(zip(buffer_ids, where, strict=True))))
+            where = [store.place(volume._buffers[bid]) for bid in buffer_ids]
         volume_docs.append(
             {
                 "name": name,
@@ -544,7 +518,7 @@ def _document(
         "snapshot_metadata_bytes": metadata,
     }
     head: bytes = msgpack.packb(document, use_bin_type=True, unicode_errors="surrogateescape")
-    return _LENGTH.pack(len(head)) + head, pages, Placement(tuple(placed))
+    return _LENGTH.pack(len(head)) + head, pages
 
 
 # -- load: phase 1, decode and validate -----------------------------------------
@@ -614,8 +588,7 @@ class _VolumeSpec:
     own_mark: int
     own_limit: int
     own_numbers: set[int]
-    buffers: dict[int, bytearray]
-    placed: dict[int, Any]
+    buffers: dict[int, PageBuffer]
     next_buffer: int
     handles: dict[int, int]
     dirty: set[int]
@@ -633,11 +606,17 @@ class _Decoder:
     """Rebuilds the tables; every check raises InvalidArgument."""
 
     def __init__(
-        self, document: dict[str, Any], page_bytes: memoryview, store: PageStore | None
+        self,
+        document: dict[str, Any],
+        page_bytes: memoryview,
+        store: PageStore | None,
+        host: Host,
     ) -> None:
         self._page_data = page_bytes  # the page buffers' bytes, taken in document order
         self._page_at = 0
         self._store = store
+        self._host = host
+        self.made: list[PageBuffer] = []  # buffers made so far: freed if the load fails
         self.chunks = [_bin(c, "chunk id") for c in _list(document["chunks"], "chunk table")]
         self.inodes: list[Inode] = []
         self.pages: dict[int, tuple[PageSpan, ...]] = {}  # id(Inode) -> its page extents
@@ -650,17 +629,21 @@ class _Decoder:
             self._check_root(root)
             self.roots.append(root)
 
-    def _page_bytes(self, length: int, where: Any) -> bytearray:
-        """A page buffer's bytes (copied once, into the buffer the volume owns): from the
-        store when it was placed there, else the next ones after the document."""
+    def _page_buffer(self, length: int, where: Any) -> PageBuffer:
+        """A page buffer: the store's, where it was placed there, else made in the host's
+        page memory from the next bytes after the document (copied once)."""
         if (where is None) != (self._store is None):
             _bad("a page buffer's location does not match how the checkpoint is read")
         if self._store is not None:
-            return self._store.fetch(where, length)
-        if length > self.pages_left:
-            _bad("a page buffer runs past the checkpoint's end", length=length)
-        start, self._page_at = self._page_at, self._page_at + length
-        return bytearray(self._page_data[start : self._page_at])
+            buffer = self._store.fetch(where, length)
+        else:
+            if length > self.pages_left:
+                _bad("a page buffer runs past the checkpoint's end", length=length)
+            start, self._page_at = self._page_at, self._page_at + length
+            self._host.pages.ensure(length)
+            buffer = self._host.pages.new([self._page_data[start : self._page_at]])
+        self.made.append(buffer)
+        return buffer
 
     @property
     def pages_left(self) -> int:
@@ -875,17 +858,14 @@ class _Decoder:
     def volume(self, raw: Any) -> _VolumeSpec:
         d = _map(raw, "volume", _VOLUME_KEYS)
         root = self.root_at(d["root"])
-        buffers: dict[int, bytearray] = {}
-        placed: dict[int, Any] = {}
+        buffers: dict[int, PageBuffer] = {}
         for value in _list(d["buffers"], "page buffers"):
             triple = _list(value, "page buffer", 3)
             buffer_id = _int(triple[0], "buffer id", 1)
             if buffer_id in buffers:
                 _bad("a page buffer id repeats", buffer_id=buffer_id)
             length = _int(triple[1], "page buffer length")
-            buffers[buffer_id] = self._page_bytes(length, triple[2])
-            if triple[2] is not None:
-                placed[buffer_id] = triple[2]
+            buffers[buffer_id] = self._page_buffer(length, triple[2])
         handles: dict[int, int] = {}
         for value in _list(d["handles"], "handles"):
             pair = _list(value, "handle", 2)
@@ -909,7 +889,6 @@ class _Decoder:
                 _int(ino, "own number", ROOT_INO + 1) for ino in _list(d["own_numbers"], "numbers")
             },
             buffers=buffers,
-            placed=placed,
             next_buffer=_int(d["next_buffer"], "next buffer", max(buffers, default=0) + 1),
             handles=handles,
             dirty={_int(ino, "dirty ino", 1) for ino in _list(d["dirty"], "dirty inodes")},
@@ -947,7 +926,7 @@ class _Decoder:
 
 
 def _decode(
-    blob: bytes | memoryview, store: PageStore | None
+    blob: bytes | memoryview, store: PageStore | None, host: Host
 ) -> tuple[list[_VolumeSpec], list[_SnapshotSpec], int, _Decoder]:
     view = memoryview(blob)
     if len(view) < _LENGTH.size:
@@ -972,15 +951,20 @@ def _decode(
         raise InvalidArgument("unsupported checkpoint version", version=repr(version)[:40])
     if document.keys() != _TOP_KEYS:
         _bad("wrong top-level fields")
-    decoder = _Decoder(document, view[_LENGTH.size + length :], store)
-    volumes = [decoder.volume(raw) for raw in _list(document["volumes"], "volumes")]
-    if decoder.pages_left:
-        _bad("page bytes follow that no page buffer names", extra=decoder.pages_left)
-    snapshots = [decoder.snapshot(raw) for raw in _list(document["snapshots"], "snapshots")]
-    names = [spec.name for spec in volumes] + [spec.name for spec in snapshots]
-    if len(set(names)) != len(names):
-        _bad("a volume or snapshot name repeats")
-    metadata = _int(document["snapshot_metadata_bytes"], "snapshot metadata bytes")
+    decoder = _Decoder(document, view[_LENGTH.size + length :], store, host)
+    try:
+        volumes = [decoder.volume(raw) for raw in _list(document["volumes"], "volumes")]
+        if decoder.pages_left:
+            _bad("page bytes follow that no page buffer names", extra=decoder.pages_left)
+        snapshots = [decoder.snapshot(raw) for raw in _list(document["snapshots"], "snapshots")]
+        names = [spec.name for spec in volumes] + [spec.name for spec in snapshots]
+        if len(set(names)) != len(names):
+            _bad("a volume or snapshot name repeats")
+        metadata = _int(document["snapshot_metadata_bytes"], "snapshot metadata bytes")
+    except BaseException:
+        for buffer in decoder.made:  # a bad blob changes nothing, page memory included
+            host.pages.free(buffer)
+        raise
     return volumes, snapshots, metadata, decoder
 
 
@@ -1005,7 +989,7 @@ def load_state(
     reattach it.  A blob `dump_placed` wrote needs the `pages` store its buffers
     were placed in (whose damaged bytes raise what `PageStore.fetch` raises).
     """
-    volumes, snapshots, metadata, decoder = _decode(blob, pages)
+    volumes, snapshots, metadata, decoder = _decode(blob, pages, host)
 
     # Phase 2: the environment, read but not changed.
     specs: list[_VolumeSpec | _SnapshotSpec] = [*volumes, *snapshots]
@@ -1055,6 +1039,8 @@ def load_state(
     loaded: dict[str, Volume] = {}
     for v in volumes:
         if v.name in failures:
+            for buffer in v.buffers.values():
+                host.pages.free(buffer)
             continue
         # Opened as dynamic so the host does not re-admit an already reserved quota.
         volume = Volume(host, v.root, base=reader(v.base), capacity=Capacity.dynamic(v.limit))
@@ -1066,7 +1052,6 @@ def load_state(
         volume._own_limit = v.own_limit
         volume._own_numbers = v.own_numbers
         volume._buffers = v.buffers
-        volume._placed = v.placed
         volume._next_buffer = v.next_buffer
         volume._handles = v.handles
         volume._dirty = v.dirty

@@ -32,6 +32,16 @@ admitting at once can each overshoot by one request (slates.node.pool
 bounds it); the reserve absorbs that for dynamic growth.  A recovering
 shard joins the pool (`attach_pool`) only once it has rebuilt its state.
 
+Page memory: where volumes keep their private page buffers is injected
+too (`pages`, following `PageMemory`): the heap by default (`HeapPages`:
+each buffer a bytearray), a shard's checkpoint segment in a daemon
+(slates.node.page_area), so a written byte is copied once into shared
+memory and a checkpoint need not copy it again.  A volume asks
+`pages.ensure(nbytes)` for the fresh space a record will take before any
+of its effects (a full page area is CapacityExhausted for that record),
+then makes, changes and frees buffers through it.  The byte counts stay
+here: a buffer's bytes are private bytes wherever they live.
+
 Garbage: chunks are shared through persistent structures, so the host does
 not count references; `collect` keeps every chunk reachable from the roots
 it is given and frees the rest (called when a volume or snapshot is
@@ -40,14 +50,24 @@ dropped).  Pure data and arithmetic: no I/O, clock or randomness.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping
-from typing import Protocol
+from collections.abc import Iterable, MutableMapping, Sequence
+from typing import Protocol, SupportsIndex, overload
 
 import blake3
 
 from slates.errors import CapacityExhausted, InvalidArgument, MissingContent
 
-__all__ = ["Host", "Account", "Pool", "chunk_id_of", "UNLIMITED"]
+__all__ = [
+    "Host",
+    "Account",
+    "Pool",
+    "PageBuffer",
+    "PageMemory",
+    "HeapBuffer",
+    "HeapPages",
+    "chunk_id_of",
+    "UNLIMITED",
+]
 
 UNLIMITED = 1 << 62
 
@@ -78,6 +98,89 @@ class Pool(Protocol):
         ...
 
 
+Bytes = bytes | bytearray | memoryview
+
+
+class PageBuffer(Protocol):
+    """One private page buffer: read by slices, changed only through these methods."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: slice, /) -> bytes | bytearray:
+        """A copy of the bytes in `index` (a plain slice)."""
+        ...
+
+    def write(self, offset: int, data: Bytes) -> None:
+        """Overwrite [offset, offset + len(data)), which lies inside the buffer."""
+        ...
+
+    def extend(self, data: Bytes, /) -> None:
+        """Append `data`."""
+        ...
+
+    def shrink(self, length: int) -> None:
+        """Drop every byte from `length` on."""
+        ...
+
+    def rewrite_cost(self, lo: int, hi: int) -> int:
+        """Fresh bytes of page memory `write` into [lo, hi) would take (copy-on-write)."""
+        ...
+
+
+class PageMemory(Protocol):
+    """Where a host's volumes keep their page buffers."""
+
+    def new(self, pieces: Sequence[Bytes]) -> PageBuffer:
+        """A buffer holding the join of `pieces` (its space was `ensure`d)."""
+        ...
+
+    def free(self, buffer: PageBuffer) -> None:
+        """`buffer` is dead: its space may go back (it is never used again)."""
+        ...
+
+    def ensure(self, nbytes: int) -> None:
+        """CapacityExhausted unless `nbytes` of fresh buffer space can be taken now."""
+        ...
+
+
+class HeapBuffer(bytearray):
+    """A page buffer on the heap: a bytearray with PageBuffer's methods."""
+
+    @overload
+    def __getitem__(self, index: SupportsIndex, /) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice, /) -> bytearray: ...
+
+    def __getitem__(self, index: SupportsIndex | slice, /) -> int | bytearray:
+        return bytearray.__getitem__(self, index)
+
+    def write(self, offset: int, data: Bytes) -> None:
+        self[offset : offset + len(data)] = data
+
+    def shrink(self, length: int) -> None:
+        del self[length:]
+
+    def rewrite_cost(self, lo: int, hi: int) -> int:
+        return 0  # changed in place, always
+
+
+class HeapPages:
+    """PageMemory on the heap (in-process hosts and tests): the host's admission is
+    its only bound, and a dead buffer goes with its last reference."""
+
+    def new(self, pieces: Sequence[Bytes]) -> HeapBuffer:
+        return HeapBuffer(pieces[0]) if len(pieces) == 1 else HeapBuffer(b"".join(pieces))
+
+    def free(self, buffer: PageBuffer) -> None:
+        if not isinstance(buffer, HeapBuffer):
+            raise InvalidArgument("freeing a page buffer the heap did not make")
+
+    def ensure(self, nbytes: int) -> None:
+        if nbytes < 0:
+            raise InvalidArgument("a negative page memory request", nbytes=nbytes)
+
+
 class Host:
     def __init__(
         self,
@@ -85,6 +188,7 @@ class Host:
         reserve: int | None = None,
         chunks: MutableMapping[bytes, bytes] | None = None,
         pool: Pool | None = None,
+        pages: PageMemory | None = None,
     ) -> None:
         if capacity <= 0:
             raise InvalidArgument("host capacity must be positive", capacity=capacity)
@@ -97,6 +201,7 @@ class Host:
         # The chunk storage is injected: a dict here, a shared-memory arena in a
         # daemon shard (so sealed content survives the shard's restart).
         self._chunks: MutableMapping[bytes, bytes] = {} if chunks is None else chunks
+        self.pages: PageMemory = HeapPages() if pages is None else pages
         self.chunk_bytes = sum(len(self._chunks[cid]) for cid in self._chunks)
         self.private_bytes = 0  # page buffers, metadata and in-flight buffers of all volumes
         self.snapshot_metadata_bytes = 0  # metadata volumes handed to their snapshots

@@ -40,15 +40,15 @@ turns page buffers into immutable BLAKE3-named chunks in the host store.
 `TakeSnapshot` seals and publishes the root; `Volume.clone` starts a new
 volume from a snapshot's root in O(1).
 
-Placed buffers.  A checkpoint writer may keep page buffers outside the
-heap between checkpoints (slates.node.checkpoints).  The volume remembers,
-per buffer, where the last published checkpoint placed it (`_placed`, an
-opaque location the writer chose) and which bytes changed since
-(`_changed`: one range [lo, hi) in buffer offsets, hi = TO_END when the
-buffer grew or shrank from lo on).  Every in-place change of a placed
-buffer widens its range; a new buffer is simply not placed.  The next
-checkpoint rewrites only what changed (slates.core.checkpoint's
-`mark_placed` records the new locations once that checkpoint is published).
+Page memory.  Page buffers live where the host's `pages` (a PageMemory,
+slates.core.host) keeps them: the heap in-process, a shard's checkpoint
+segment in a daemon, where a buffer the published checkpoint holds is
+copied on write.  Every record asks `pages.ensure` for all the fresh space
+it will take (new pages, copies on write, split buffers) after its other
+checks and before its first effect, so a full page area refuses the
+record whole (CapacityExhausted) and never half-applies it.  A buffer no
+extent names any more is freed through `pages.free` when the record
+commits (and all of them when the volume closes).
 
 No I/O, clock, threads or randomness here: time, uids and base facts come
 in records, base bytes through the injected reader.
@@ -78,7 +78,7 @@ from slates.core.extents import (
     trim,
     uncovered,
 )
-from slates.core.host import UNLIMITED, Host
+from slates.core.host import UNLIMITED, Host, PageBuffer
 from slates.core.origin import Pieces, identity, replace_span
 from slates.core.records import (
     RENAME_EXCHANGE,
@@ -141,7 +141,6 @@ __all__ = [
     "CHUNK_SIZE",
     "INODE_COST",
     "MAX_FILE_SIZE",
-    "TO_END",
     "BaseReader",
     "Capacity",
     "Counters",
@@ -186,8 +185,6 @@ MAX_SYMLINK_BYTES = 4095
 MAX_XATTR_NAME = 255
 MAX_XATTR_VALUE = 64 * 1024
 MAX_FILE_SIZE = 1 << 43
-# A changed range's end that means "to the buffer's end, whatever its length now".
-TO_END = MAX_FILE_SIZE
 XATTR_NAMESPACES = frozenset({"user", "trusted", "security", "system"})
 # POSIX ACLs live in the mode bits here: storing these as plain xattrs would let a
 # tool (sed -i, cp -p) believe it set permissions that the mode never got, so they
@@ -588,14 +585,11 @@ class Volume:
         self._own_limit = NO_INO_LIMIT
         self._own_numbers: set[int] = set()
         self.metadata_bytes = 0  # metadata of those inodes (inode, xattrs, link target)
-        self._buffers: dict[int, bytearray] = {}
+        self._buffers: dict[int, PageBuffer] = {}
         self._next_buffer = 1
         self._handles: dict[int, int] = {}
         self._dirty: set[int] = set()
         self._fresh: set[int] = set()  # page buffers made by the record being applied
-        # Where the published checkpoint holds each buffer, and what changed since.
-        self._placed: dict[int, object] = {}
-        self._changed: dict[int, tuple[int, int]] = {}
         self._closed = False
         # Called after every applied record with its result: the journal's seam.
         self.on_applied: Callable[[Record, object], None] | None = None
@@ -726,9 +720,9 @@ class Volume:
             return
         self._closed = True
         freed = sum(len(b) for b in self._buffers.values())
+        for buffer in self._buffers.values():
+            self.host.pages.free(buffer)
         self._buffers.clear()
-        self._placed.clear()
-        self._changed.clear()
         self.host.charge(-(freed + self.metadata_bytes + self.inflight_bytes))
         self.inflight_bytes = 0
         self.metadata_bytes = 0
@@ -926,9 +920,7 @@ class Volume:
             if new is None:
                 self._handles.pop(ino, None)
         for buffer_id in dead_buffers - live_buffers:
-            del self._buffers[buffer_id]
-            self._placed.pop(buffer_id, None)
-            self._changed.pop(buffer_id, None)
+            self.host.pages.free(self._buffers.pop(buffer_id))
         self._fresh.clear()
         self.root = dataclasses.replace(
             self.root,
@@ -1280,7 +1272,20 @@ class Volume:
         ):
             raise InvalidArgument("the write's edge bytes do not match the file", ino=r.ino)
         gaps = uncovered(body.extents, first, last)
-        self.host.admit(self, sum(hi - lo for lo, hi in gaps))
+        fresh = sum(hi - lo for lo, hi in gaps)
+        self.host.admit(self, fresh)
+        in_place = [
+            (extent, max(extent.start, lo), min(extent.start + extent.length, hi))
+            for lo, hi in _outside(r.offset, end, gaps)
+            for extent in overlapping(body.extents, lo, hi)
+        ]
+        self.host.pages.ensure(
+            fresh
+            + sum(
+                self._page_buffer(extent).rewrite_cost(at - extent.start, to - extent.start)
+                for extent, at, to in in_place
+            )
+        )
         # Every check has passed: from here on the write takes effect.
         # New pages are made from their final bytes (edges, data, zeros), each byte
         # copied once; pages already private get the data in place.
@@ -1289,13 +1294,10 @@ class Volume:
         layers = ((first, memoryview(r.head)), (r.offset, data), (end, memoryview(r.tail)))
         for lo, hi in gaps:
             extents = self._add_pages(extents, lo, _layered(lo, hi, layers))
-        for lo, hi in _outside(r.offset, end, gaps):
-            for extent in overlapping(extents, lo, hi):
-                assert isinstance(extent, PageSpan)
-                at, to = max(extent.start, lo), min(extent.start + extent.length, hi)
-                buffer = self._buffers[extent.buffer_id]
-                buffer[at - extent.start : to - extent.start] = data[at - r.offset : to - r.offset]
-                self._touch(extent.buffer_id, at - extent.start, to - extent.start)
+        for extent, at, to in in_place:
+            # Pages that were private before this write: their buffers are unchanged by
+            # the gaps' growth above (a grown buffer keeps its offsets).
+            self._page_buffer(extent).write(at - extent.start, data[at - r.offset : to - r.offset])
         start = min(r.offset, body.size)
         origin = self._recorded(body, start, min(end, body.size), end - start)
         body = dataclasses.replace(body, size=max(body.size, end), extents=extents, origin=origin)
@@ -1312,27 +1314,32 @@ class Volume:
         before = [e for e in overlapping(extents, start - 1, start) if e.start + e.length == start]
         if before and isinstance(before[0], PageSpan):
             prev = before[0]
-            self._touch(prev.buffer_id, prev.length, TO_END)
             buffer = self._buffers[prev.buffer_id]
             for piece in pieces:
-                buffer += piece
+                buffer.extend(piece)
             grown = PageSpan(prev.start, prev.length + length, prev.buffer_id)
             return splice(extents, prev.start, end, [grown])
         buffer_id = self._next_buffer
         self._next_buffer += 1
         self._fresh.add(buffer_id)
-        buffer = bytearray(pieces[0]) if len(pieces) == 1 else bytearray(b"".join(pieces))
-        self._buffers[buffer_id] = buffer
+        self._buffers[buffer_id] = self.host.pages.new(pieces)
         return splice(extents, start, end, [PageSpan(start, length, buffer_id)])
 
-    def _touch(self, buffer_id: int, lo: int, hi: int) -> None:
-        """Note that bytes [lo, hi) of a buffer changed (only a placed one needs noting)."""
-        if buffer_id not in self._placed:
-            return
-        before = self._changed.get(buffer_id)
-        if before is not None:
-            lo, hi = min(lo, before[0]), max(hi, before[1])
-        self._changed[buffer_id] = (lo, hi)
+    def _page_buffer(self, extent: Extent) -> PageBuffer:
+        if not isinstance(extent, PageSpan):
+            raise InvalidArgument("private pages expected", start=extent.start)
+        return self._buffers[extent.buffer_id]
+
+    def _ensure_splits(self, extents: tuple[Extent, ...], *ats: int) -> None:
+        """Ask for the fresh space `_split_pages_at` will take at each of `ats`."""
+        self.host.pages.ensure(
+            sum(
+                extent.start + extent.length - at
+                for at in ats
+                for extent in overlapping(extents, at, at + 1)
+                if isinstance(extent, PageSpan) and extent.start < at
+            )
+        )
 
     def _split_pages_at(self, extents: tuple[Extent, ...], at: int) -> tuple[Extent, ...]:
         """Split the page extent that straddles the page boundary `at`, if any."""
@@ -1342,9 +1349,8 @@ class Volume:
                 right = self._next_buffer
                 self._next_buffer += 1
                 self._fresh.add(right)
-                self._buffers[right] = buffer[at - extent.start :]
-                del buffer[at - extent.start :]
-                self._touch(extent.buffer_id, at - extent.start, TO_END)
+                self._buffers[right] = self.host.pages.new([buffer[at - extent.start :]])
+                buffer.shrink(at - extent.start)
                 pieces: list[Extent] = [
                     PageSpan(extent.start, at - extent.start, extent.buffer_id),
                     PageSpan(at, extent.start + extent.length - at, right),
@@ -1374,6 +1380,7 @@ class Volume:
         _check_count(r.length, "length")
         end = r.offset + r.length
         self._check_pages(r.offset, end)
+        self._ensure_splits(body.extents, r.offset, end)
         extents = self._split_pages_at(self._split_pages_at(body.extents, r.offset), end)
         extents = splice(extents, r.offset, end, [])
         lo, hi = min(r.offset, body.size), min(end, body.size)
@@ -1402,6 +1409,7 @@ class Volume:
             assert isinstance(piece, ChunkSpan)
             shift = r.dst_offset - r.src_offset
             shared.append(dataclasses.replace(piece, start=piece.start + shift))
+        self._ensure_splits(dst_body.extents, r.dst_offset, dst_end)
         extents = self._split_pages_at(
             self._split_pages_at(dst_body.extents, r.dst_offset), dst_end
         )
@@ -1423,6 +1431,14 @@ class Volume:
             raise FileTooLarge("size beyond the maximum file size", size=r.size)
         extents = body.extents
         if r.size < body.size:
+            # The page the new end lies in is zeroed past it: a copy on write, maybe.
+            self.host.pages.ensure(
+                sum(
+                    self._page_buffer(e).rewrite_cost(r.size - e.start, page_ceil(r.size) - e.start)
+                    for e in overlapping(extents, r.size, r.size + 1)
+                    if isinstance(e, PageSpan) and e.start < r.size
+                )
+            )
             kept: list[Extent] = []
             for extent in extents:
                 if extent.start >= r.size:
@@ -1433,9 +1449,8 @@ class Volume:
                     # Keep whole pages, zero past the new end: bytes beyond size stay zero.
                     buffer = self._buffers[extent.buffer_id]
                     keep = page_ceil(r.size) - extent.start
-                    del buffer[keep:]
-                    buffer[r.size - extent.start :] = bytes(keep - (r.size - extent.start))
-                    self._touch(extent.buffer_id, r.size - extent.start, TO_END)
+                    buffer.shrink(keep)
+                    buffer.write(r.size - extent.start, bytes(keep - (r.size - extent.start)))
                     kept.append(PageSpan(extent.start, keep, extent.buffer_id))
                 else:
                     piece = trim(extent, extent.start, r.size)
@@ -1922,6 +1937,12 @@ class Volume:
             self._require_empty(replaced)  # the record checks cycles itself (EINVAL first)
         self.apply(Rename(parent, name, new_parent, new_name, flags, time_ns))
 
+    def is_private(self, ino: int, start: int, end: int) -> bool:
+        """Whether the file's bytes in [start, end) all lie on this volume's private pages:
+        where a write records only the bytes it changes (`write`)."""
+        body = self._inode(ino).body
+        return isinstance(body, FileBody) and not uncovered(body.extents, start, end)
+
     def write(self, ino: int, offset: int, data: bytes, *, time_ns: int = 0) -> int:
         """Write, reading the partial edge pages first (this may read the base).
 
@@ -1938,7 +1959,7 @@ class Volume:
         size = body.size if isinstance(body, FileBody) else 0
         length = len(data)
         overlap_end = min(offset + length, size)
-        if offset < overlap_end and not uncovered(extents, offset, overlap_end):
+        if offset < overlap_end and self.is_private(ino, offset, overlap_end):
             current = self.read(ino, offset, overlap_end - offset)
             lo, hi = _changed_span(current, data)
             offset, data = offset + lo, data[lo:hi]

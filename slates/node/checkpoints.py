@@ -5,33 +5,38 @@ Its first page is the header: two document slots, each (journal generation
 the checkpoint covers, document length, CRC, and the ranges of the area
 that hold the document: one, or up to MAX_DOCUMENT_RANGES in a fragmented
 area), and the index of the active one.  The rest is the page area, split
-by a free map (PageArea) into page-aligned ranges.  A checkpoint is a
-document (ShardState's) naming, for every private page buffer, the pieces
-of the area that hold its bytes, in order, each with its CRC.
+by a free map (slates.node.page_area's PageArea).  The shard's private
+page buffers live there all the time, not only in checkpoints: `pages`
+(SegmentPages) is the shard host's PageMemory, so a written byte is
+copied once, into its piece of the area, and a piece the published
+checkpoint names is copied on write (page_area's docstring).
 
-Writing one (`write`): the shard's state places each buffer through this
-object, which is its slates.core.checkpoint.PageStore.  A buffer that did
-not change since the published checkpoint keeps its pieces: nothing is
-copied.  A changed one keeps the pieces its changed range does not touch
-and gets fresh space for the rest (pieces of at most PIECE_BYTES, so an
-edit in a large buffer rewrites little).  Fresh space never overlaps a
-range the published checkpoint references, so a shard killed before the
-publish leaves that checkpoint whole.  Then the document is written into
-fresh space, its slot filled, and it is published by one aligned 4-byte
-store of the active index.  Only then are the ranges that only the old
-checkpoint referenced freed, and their pages given back (MADV_REMOVE).  A
-checkpoint that does not fit raises CapacityExhausted, frees what it took,
-and the published one stays as it was.  A checkpoint's cost is thus the
-bytes that changed since the last one (and its document), not the
-shard's whole private state.
+Writing one (`write`): the shard's state asks this object, its
+slates.core.checkpoint.PageStore, where each buffer is (`place`: its
+pieces, each (offset, length, CRC), the CRCs computed only for pieces
+written since the last checkpoint).  Nothing is copied.  Then the
+document is written into fresh space, its slot filled, and it is
+published by one aligned 4-byte store of the active index.  Only then
+are the old document's ranges, and the pieces only the old checkpoint
+referenced, freed and their pages given back (MADV_REMOVE); the pieces
+the new one names are frozen (copy on write from now on).  A checkpoint
+whose document does not fit raises CapacityExhausted, frees what it took,
+and the published one stays as it was.  A checkpoint's cost is thus its
+document and the CRCs of what changed, not the shard's private bytes.
+
+A shard killed at any point leaves the published checkpoint whole: its
+pieces are never written in place (frozen), so the replacement reads
+exactly the bytes that checkpoint named and replays the journal after it.
 
 Reading one back: `read` (the document, CRC-checked), then the state loads
 it and fetches each buffer (`fetch`: bounds and each piece's CRC checked;
-damage raises VerificationFailed), and `loaded` rebuilds the free map from
-the references just fetched, giving back the pages of everything else
-(space a killed checkpoint had written into).  The states: UNREAD ->
-(read) LOADING -> (loaded) READY; a segment with nothing published is
-READY once read.  Writing needs READY.
+damage raises VerificationFailed; the buffer is the pieces where they lie,
+frozen), and `loaded` rebuilds the free map from the pieces just fetched
+and the document, giving back the pages of everything else (pieces a
+killed shard wrote after that checkpoint, and its unpublished document).
+The states: UNREAD -> (read) LOADING -> (loaded) READY; a segment with
+nothing published is READY once read.  Writing, and taking page space,
+need READY.
 
 The shard (slates.node.shard) drives it; ShardState makes and loads the
 document.
@@ -39,16 +44,17 @@ document.
 
 from __future__ import annotations
 
-import bisect
 import enum
 import struct
 import zlib
 from collections.abc import Callable
 from typing import Any
 
+from slates.core.host import HeapBuffer, PageBuffer
 from slates.errors import CapacityExhausted, InvalidArgument, VerificationFailed
 from slates.node.journal import PAGE as _PAGE
 from slates.node.journal import Segment
+from slates.node.page_area import PIECE_BYTES, PageArea, Piece, SegmentPages
 
 __all__ = ["PIECE_BYTES", "Checkpoints", "PageArea"]
 
@@ -65,8 +71,6 @@ _MAGIC = b"SLCKPT02"
 _VERSION = 2
 _NO_SLOT = 2
 _ACTIVE_AT = 12  # the active index's offset in the header (4-aligned)
-# A changed buffer is rewritten in pieces of at most this, aligned in buffer offsets.
-PIECE_BYTES = 1 << 20
 
 # What a checkpoint's document build returns: its bytes and what to call once published.
 Build = Callable[[Any], tuple[bytes, Callable[[], None]]]
@@ -76,93 +80,13 @@ def _pages(nbytes: int) -> int:
     return -(-nbytes // _PAGE) * _PAGE
 
 
-class PageArea:
-    """A free map over [start, end): sorted disjoint free ranges, page-aligned."""
-
-    def __init__(self, start: int, end: int, *, free: bool = True) -> None:
-        self.start, self.end = start, end
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        if free and end > start:
-            self._starts.append(start)
-            self._ends.append(end)
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(self._ends) - sum(self._starts)
-
-    def gaps(self) -> list[tuple[int, int]]:
-        return list(zip(self._starts, self._ends, strict=True))
-
-    def take(self, nbytes: int) -> list[tuple[int, int]]:
-        """`nbytes` (a page multiple) of free space as (offset, length) ranges, lowest
-        first; CapacityExhausted (taking nothing) when the area has less free."""
-        got: list[tuple[int, int]] = []
-        need, used = nbytes, 0
-        while need and used < len(self._starts):
-            start, end = self._starts[used], self._ends[used]
-            length = min(end - start, need)
-            got.append((start, length))
-            need -= length
-            if start + length == end:
-                used += 1
-            else:
-                self._starts[used] = start + length
-        del self._starts[:used]
-        del self._ends[:used]
-        if need:
-            for start, length in got:
-                self.give(start, length)
-            raise CapacityExhausted(
-                "the checkpoint does not fit its segment", at_least=nbytes, room=nbytes - need
-            )
-        return got
-
-    def take_whole(self, nbytes: int) -> int:
-        """One free range of `nbytes` (a page multiple), first fit; CapacityExhausted if none."""
-        for index, (start, end) in enumerate(zip(self._starts, self._ends, strict=True)):
-            if end - start >= nbytes:
-                if end - start == nbytes:
-                    del self._starts[index]
-                    del self._ends[index]
-                else:
-                    self._starts[index] = start + nbytes
-                return start
-        raise CapacityExhausted("the checkpoint document does not fit its segment", at_least=nbytes)
-
-    def give(self, start: int, length: int) -> None:
-        """Free [start, start+length), joining its free neighbours."""
-        end = start + length
-        at = bisect.bisect_right(self._starts, start)
-        if (
-            start < self.start
-            or end > self.end
-            or (at and self._ends[at - 1] > start)
-            or (at < len(self._starts) and self._starts[at] < end)
-        ):
-            raise InvalidArgument("freeing checkpoint space that is free", start=start)
-        joins_left = at > 0 and self._ends[at - 1] == start
-        joins_right = at < len(self._starts) and self._starts[at] == end
-        if joins_left and joins_right:
-            self._ends[at - 1] = self._ends[at]
-            del self._starts[at]
-            del self._ends[at]
-        elif joins_left:
-            self._ends[at - 1] = end
-        elif joins_right:
-            self._starts[at] = start
-        else:
-            self._starts.insert(at, start)
-            self._ends.insert(at, end)
-
-
 class _State(enum.Enum):
     UNREAD = "unread"
     LOADING = "loading"  # read: the state is fetching its buffers
     READY = "ready"
 
 
-Piece = tuple[int, int, int]  # area offset, length, crc32
+PieceRef = tuple[int, int, int]  # area offset, length, crc32
 
 
 class Checkpoints:
@@ -173,16 +97,15 @@ class Checkpoints:
             _HEADER.pack_into(segment.map, 0, _MAGIC, _VERSION, _NO_SLOT)
         elif magic != _MAGIC or version != _VERSION or active > _NO_SLOT:
             raise VerificationFailed("the checkpoint segment is not a Slates checkpoint")
-        self.area = PageArea(_PAGE, segment.size // _PAGE * _PAGE)
+        # The shard host's page memory: the volumes' buffers live in the page area.
+        self.pages = SegmentPages(segment, PageArea(_PAGE, segment.size // _PAGE * _PAGE))
         self._state = _State.UNREAD
-        # What the published checkpoint references: its pieces (offset -> length, crc)
-        # and its document's range.
-        self._published: dict[int, tuple[int, int]] = {}
         self._document: list[tuple[int, int]] = []  # its ranges, each (offset, pages' length)
-        # The checkpoint being written: the pieces it references, the space it took.
-        self._next: dict[int, tuple[int, int]] = {}
-        self._taken: list[tuple[int, int]] = []
-        self.copied_bytes = 0  # page bytes ever copied into the area (not documents)
+        self._placing: list[Piece] = []  # the pieces the checkpoint being written names
+
+    @property
+    def area(self) -> PageArea:
+        return self.pages.area
 
     @property
     def area_bytes(self) -> int:
@@ -204,6 +127,7 @@ class Checkpoints:
                 case _State.UNREAD:
                     self._state = _State.READY
                     self.segment.release(self.area.start, self.area.end)  # a killed one's
+                    self.pages.ready = True
                 case _State.READY:
                     pass
                 case _:
@@ -229,14 +153,13 @@ class Checkpoints:
             case _State.UNREAD:
                 self._state = _State.LOADING
                 self._document = ranges
-                self._published = {}
             case _State.READY:
                 pass
             case _:
                 raise InvalidArgument("the checkpoint is being loaded")
         return generation, document
 
-    def _pieces(self, where: Any, length: int | None) -> list[Piece]:
+    def _pieces(self, where: Any, length: int | None) -> list[PieceRef]:
         """`where` as pieces, checked against the area (VerificationFailed if it is wrong)."""
         if (
             not isinstance(where, list)
@@ -246,27 +169,32 @@ class Checkpoints:
             raise VerificationFailed("a page buffer's location is malformed")
         pieces = [(where[i], where[i + 1], where[i + 2]) for i in range(0, len(where), 3)]
         for at, size, _crc in pieces:
-            if at % _PAGE or at < self.area.start or size <= 0 or at + size > self.area.end:
+            if (
+                at % _PAGE
+                or at < self.area.start
+                or not 0 < size <= PIECE_BYTES
+                or at + size > self.area.end
+            ):
                 raise VerificationFailed("a page buffer's location is out of bounds", at=at)
         if length is not None and sum(size for _at, size, _crc in pieces) != length:
             raise VerificationFailed("a page buffer's pieces do not add up to its length")
         return pieces
 
-    def fetch(self, where: Any, length: int) -> bytearray:
-        """The page buffer placed at `where` (PageStore.fetch), its pieces' CRCs checked."""
+    def fetch(self, where: Any, length: int) -> PageBuffer:
+        """The page buffer placed at `where` (PageStore.fetch), its pieces' CRCs checked.
+        While loading, the buffer is the pieces themselves (the volume's from now on);
+        once ready, a copy of a published buffer's bytes (tools and tests)."""
         pieces = self._pieces(where, length)
         match self._state:
             case _State.LOADING:
-                for at, size, crc in pieces:
-                    if at in self._published:
-                        raise VerificationFailed("two page buffers share a piece", at=at)
-                    self._published[at] = (size, crc)
+                return self.pages.adopt(pieces)
             case _State.READY:
-                if any(self._published.get(at) != (size, crc) for at, size, crc in pieces):
+                published = dict(self.pages.published_ranges())
+                if any(at not in published for at, _size, _crc in pieces):
                     raise VerificationFailed("a page buffer is not in the published checkpoint")
             case _:
                 raise InvalidArgument("no checkpoint is being read")
-        out = bytearray(length)
+        out = HeapBuffer(length)
         view = memoryview(out)
         mm = self.segment.map
         done = 0
@@ -285,9 +213,7 @@ class Checkpoints:
                 pass
             case _:
                 raise InvalidArgument("no checkpoint is being loaded")
-        used = sorted(
-            [(at, _pages(size)) for at, (size, _crc) in self._published.items()] + self._document
-        )
+        used = sorted(self.pages.published_ranges() + self._document)
         area = PageArea(self.area.start, self.area.end, free=False)
         cursor = self.area.start
         for at, size in used:
@@ -300,81 +226,33 @@ class Checkpoints:
             area.give(cursor, self.area.end - cursor)
         for start, end in area.gaps():
             self.segment.release(start, end)
-        self.area = area
+        self.pages.area = area
+        self.pages.ready = True
         self._state = _State.READY
 
     # -- writing ----------------------------------------------------------------
 
-    def place(self, buffer: bytearray, where: Any, changed: tuple[int, int] | None) -> Any:
-        """Store `buffer` for the checkpoint being written (PageStore.place)."""
-        length = len(buffer)
-        old = self._reusable(where)
-        kept: list[tuple[int, Piece]] = []  # (buffer offset, piece) kept from `where`
-        offset = 0
-        for piece in old:
-            end = offset + piece[1]
-            untouched = changed is None or end <= changed[0] or offset >= changed[1]
-            if end <= length and untouched:
-                kept.append((offset, piece))
-            offset = end
-        out: list[int] = []
-        cursor = 0
-        view = memoryview(buffer)
-        for offset, piece in kept:
-            if offset > cursor:
-                self._copy(view, cursor, offset, out)
-            out += piece
-            self._next[piece[0]] = (piece[1], piece[2])
-            cursor = offset + piece[1]
-        if cursor < length:
-            self._copy(view, cursor, length, out)
-        return out
-
-    def _reusable(self, where: Any) -> list[Piece]:
-        """The pieces of `where` the checkpoint being written may reference again: all of
-        them when the published checkpoint holds each and no other buffer took it."""
-        if where is None:
-            return []
-        try:
-            pieces = self._pieces(where, None)
-        except VerificationFailed:
-            return []
-        for at, size, crc in pieces:
-            if self._published.get(at) != (size, crc) or at in self._next:
-                return []
-        return pieces
-
-    def _copy(self, view: memoryview, lo: int, hi: int, out: list[int]) -> None:
-        """Copy view[lo:hi] into fresh space, appending its pieces to `out`."""
-        mm = self.segment.map
-        while lo < hi:
-            cut = min(hi, (lo // PIECE_BYTES + 1) * PIECE_BYTES)
-            ranges = self.area.take(_pages(cut - lo))
-            self._taken += ranges
-            for at, room in ranges:
-                self.segment.populate(at, at + room)
-                size = min(room, cut - lo)
-                data = view[lo : lo + size]
-                mm[at : at + size] = data
-                crc = zlib.crc32(data)
-                out += (at, size, crc)
-                self._next[at] = (size, crc)
-                self.copied_bytes += size
-                lo += size
+    def place(self, buffer: PageBuffer) -> Any:
+        """Where `buffer` is, for the checkpoint being written (PageStore.place): its
+        pieces, as they lie in the page area; nothing is copied."""
+        where, pieces = self.pages.place(buffer)
+        self._placing += pieces
+        return where
 
     def write(self, generation: int, build: Build) -> None:
         """Write a checkpoint and publish it.  `build(self)` places the buffers and returns
-        the document and what to call once it is published.  One that does not fit
-        raises CapacityExhausted, and the published checkpoint stays as it was."""
+        the document and what to call once it is published.  One whose document does
+        not fit raises CapacityExhausted, and the published checkpoint stays as it was."""
         match self._state:
             case _State.READY:
                 pass
             case _:
                 raise InvalidArgument("the published checkpoint has not been read")
-        self._next, self._taken = {}, []
+        self._placing = []
+        taken: list[tuple[int, int]] = []
         try:
             document, published = build(self)
-            ranges = self._document_space(_pages(len(document)))
+            ranges = self._document_space(_pages(len(document)), taken)
             mm = self.segment.map
             done = 0
             for at, size in ranges:
@@ -390,29 +268,26 @@ class Checkpoints:
                 _RANGE.pack_into(mm, slot_at + _SLOT.size + index * _RANGE.size, at, size)
             struct.pack_into("<I", mm, _ACTIVE_AT, slot)  # the publish point
         except BaseException:
-            for start, size in self._taken:
-                self.area.give(start, size)
-                self.segment.release(start, start + size)
-            self._next, self._taken = {}, []
+            for start, size in taken:
+                self._free(start, size)
+            self._placing = []
             raise
         # Published: what only the old checkpoint referenced is free now.
-        for old_at, (size, _crc) in self._published.items():
-            if old_at not in self._next:
-                self._free(old_at, _pages(size))
         for at, size in self._document:
             self._free(at, size)
-        self._published, self._document = self._next, ranges
-        self._next, self._taken = {}, []
+        self._document = ranges
+        self.pages.publish(self._placing)
+        self._placing = []
         published()
 
-    def _document_space(self, nbytes: int) -> list[tuple[int, int]]:
+    def _document_space(self, nbytes: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Fresh space for a document: one range if one fits, else at most
         MAX_DOCUMENT_RANGES of them (a fragmented area), else CapacityExhausted."""
         try:
             ranges = [(self.area.take_whole(nbytes), nbytes)]
         except CapacityExhausted:
             ranges = self.area.take(nbytes)
-        self._taken += ranges
+        taken += ranges
         if len(ranges) > MAX_DOCUMENT_RANGES:
             raise CapacityExhausted(
                 "the checkpoint document's space is too fragmented", ranges=len(ranges)

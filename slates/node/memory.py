@@ -13,16 +13,17 @@ to allocate.  Three readers and one rule live here:
   (VmRSS, RssAnon, RssShmem) where smaps_rollup is missing.
 - `shard_memory(journal_fd, checkpoint_fd, arena_fd)`: one shard's figures,
   for its status: the three segments' allocated bytes and its heap (this
-  process's anonymous resident memory: the Python objects, page buffers
-  and indexes that are not in a segment).  Shared pages are counted once,
-  by the segment, never again in a process's rss.
+  process's anonymous resident memory: the Python objects and indexes
+  that are not in a segment; a shard's private page buffers are in its
+  checkpoint segment, slates.node.page_area).  Shared pages are counted
+  once, by the segment, never again in a process's rss.
 - `trim_heap()`: give the heap's free pages back to the kernel (glibc's
-  malloc_trim(0)).  A shard's page buffers are many small allocations; once
-  freed, malloc keeps their pages for reuse and the process's anonymous
-  RSS stays high after its volumes are gone (measured by
-  bench/soak_bench.py --probe-trim: a shard's heap of 130 MiB after the
-  agents' volumes were deleted came down to 63 MiB).  The shard calls it
-  after collections and checkpoints that freed much.
+  malloc_trim(0)).  Once freed, malloc keeps pages for reuse (request
+  buffers, metadata of deleted volumes) and the process's anonymous RSS
+  stays high (measured by bench/soak_bench.py --probe-trim: a shard's heap
+  of 130 MiB after the agents' volumes were deleted came down to 63 MiB).
+  The shard calls it after requests that freed much, and before it reports
+  its memory.
 - `default_segment_sizes(capacity, shards, ram_bytes)`: the virtual sizes
   the anchor gives each shard's segments.  The rule:
     * the pool the host may fill is C = min(capacity, RAM);
@@ -32,9 +33,10 @@ to allocate.  Three readers and one rule live here:
       of frames and one largest request after it), or a quarter of the
       budget if that is smaller;
     * the rest is split one third arena, two thirds checkpoint (its page
-      area is twice the arena: a checkpoint holds a shard's private pages,
-      and the next one takes fresh space for what changed before the old
-      one's is freed, slates.node.checkpoints); each is capped by what the
+      area is twice the arena: it holds the shard's private page buffers,
+      and a piece the published checkpoint names is copied on write, the
+      old copy freed by the next checkpoint, slates.node.page_area); each
+      is capped by what the
       pool can hold: the arena at C, a slot (half the page area) at C.
       One shard may thus hold the whole pool when the budget allows
       (C <= (RAM // shards - journal) / 3), and otherwise a third of its

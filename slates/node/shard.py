@@ -182,7 +182,12 @@ class Shard:
         self.index = index
         self.journal = Journal(Segment(journal_fd))
         self.checkpoints = Checkpoints(Segment(checkpoint_fd))
-        self.host = Host(capacity=capacity, chunks=ArenaChunks(Segment(arena_fd)))
+        # Page buffers live in the checkpoint segment's page area (slates.node.page_area).
+        self.host = Host(
+            capacity=capacity,
+            chunks=ArenaChunks(Segment(arena_fd)),
+            pages=self.checkpoints.pages,
+        )
         self.service = LoggedService(
             index,
             self.host,
@@ -253,9 +258,11 @@ class Shard:
         return shard_memory(*self.segment_fds)
 
     def _account_segments(self) -> None:
-        """The journal's and checkpoints' pages count against the host's capacity."""
+        """The journal's and checkpoints' pages count against the host's capacity: all
+        of them but the live page buffers', which the host counts as private bytes."""
         journal, checkpoints, _arena = self.segment_fds
-        self.host.set_overhead(segment_bytes(journal) + segment_bytes(checkpoints))
+        held = segment_bytes(checkpoints) - self.checkpoints.pages.live_bytes
+        self.host.set_overhead(segment_bytes(journal) + max(0, held))
 
     def _trim(self) -> None:
         """Give freed heap back to the host once enough private bytes were let go."""
@@ -281,8 +288,13 @@ class Shard:
 
     def _checkpoint_due(self) -> bool:
         self.private_peak = max(self.private_peak, self.host.private_bytes)
+        pages = self.checkpoints.pages
         return (
             self.journal.room < self.journal_headroom
+            # Pieces copied on write leave their published copies to the next checkpoint:
+            # it frees them before they crowd out new pages.
+            or pages.stale_bytes > min(CHECKPOINT_FREED_BYTES, self.host.capacity // 16)
+            or (pages.stale_bytes > 0 and pages.area.free_bytes < self.checkpoints.area_bytes // 8)
             or self.journal.committed > CHECKPOINT_EVERY_BYTES
             or self.events_since > CHECKPOINT_EVERY_EVENTS
             # Freed bytes wait in the journal and the old checkpoint, counted against the
@@ -374,6 +386,8 @@ class Shard:
         self.service.collect_garbage()
         self._trim()
         if request.op == "status" and isinstance(reply.get("result"), dict):
+            # Freed request buffers go back first: the heap figure is what it holds.
+            trim_heap()
             reply["result"]["memory"] = self.memory()
         for vid, notes in invalidations(self.service.applied).items():
             self.pending.setdefault(vid, []).extend(notes)

@@ -19,7 +19,6 @@ given reads source directories, for volumes over live bases).
 
 from __future__ import annotations
 
-import functools
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
@@ -72,6 +71,10 @@ __all__ = ["ShardState", "GARBAGE_BATCH_BYTES"]
 
 GARBAGE_BATCH_BYTES = 4 << 20
 _META_LENGTH = struct.Struct("<Q")  # a shard checkpoint starts with its meta's length
+
+
+def _nothing_to_adopt() -> None:
+    """The state keeps nothing of a published checkpoint (its store does)."""
 
 
 class ShardState:
@@ -398,11 +401,12 @@ class ShardState:
     def checkpoint_document(self, pages: PageStore) -> tuple[bytes, Callable[[], None]]:
         """The shard's checkpoint with its page buffers placed in `pages` (the shard's
         checkpoint segment): [meta length u64][meta][core document], and what to call
-        once it is published (the volumes then remember where their buffers are)."""
-        document, placement = checkpoint.dump_placed(
+        once it is published (here nothing: the store freezes what it placed itself;
+        a subclass adds its own)."""
+        document = checkpoint.dump_placed(
             self.volumes, self.snapshots, self._base_key, pages, host=self.host
         )
-        return self._meta() + document, functools.partial(checkpoint.mark_placed, placement)
+        return self._meta() + document, _nothing_to_adopt
 
     def _meta(self) -> bytes:
         """[meta length u64][meta]: everything but the volumes and snapshots."""
