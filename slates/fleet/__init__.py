@@ -18,7 +18,12 @@ group through etcd's v3 JSON gateway) and `serf` (membership and failure
 verdicts from Debian's serf agent).  The fleet link (`link`, with
 `link_rules`, `link_forward`, `link_client`, and `link_replicate` +
 `link_tree` for replication, durability waits, takeover and recovery of
-real greens, `link_fence` for the fence table its shards read, and
-`link_identity` for the submission identities that travel with versions)
+real greens, `link_fence` for the fence table its shards read,
+`link_identity` for the submission identities that travel with versions,
+`link_lease` for the lease and the fence table's upkeep, `link_register` for the
+registration of greens, `link_membership` for serf and takeovers,
+`link_process` for its lock, state file and anchor watch, `link_requests`
+for fleet.sock's answers, `link_routing`, `link_local`, `link_remote` and
+`link_submit` for remote work volumes)
 is the process that joins a host to the fleet.
 """

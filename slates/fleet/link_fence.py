@@ -1,7 +1,7 @@
 """The fence table as a file: written by the fleet link, read by its host's shards.
 
 Theory of operation (the rules are slates.fleet.fencing's).  The link
-(slates.fleet.link's fence loop) rebuilds the table a few times a second
+(slates.fleet.link_lease's fence loop) rebuilds the table a few times a second
 from what it knows (its lease's proof, etcd's configurations) and, when it
 changed, `FenceWriter.write`s RUNTIME/fleet-fence.msgpack: written to a
 temporary file in the same directory (mode 0600) and renamed over the old

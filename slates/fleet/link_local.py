@@ -1,7 +1,7 @@
 """The fleet link's local socket: RUNTIME/fleet.sock, framed msgpack, for this host only.
 
-Theory of operation (the requests themselves are slates.fleet.link's
-`local_request`).  The socket is born mode 0600 (bound under umask 0177,
+Theory of operation (the requests themselves are answered by
+slates.fleet.link_requests).  The socket is born mode 0600 (bound under umask 0177,
 so nobody else may connect first) and speaks framed msgpack
 (slates.node.protocol's frame/pack/unpack): any number of requests per
 connection, one at a time, each answered `{"ok": true, "result": ...}` or

@@ -37,7 +37,7 @@ volume of another host's green asks its link, on fleet.sock:
 
 Peers ask each other over QUIC as `{"kind": "remote", "op": "tree" |
 "chunks" | "submit", ...}` (handled by `serve`), from an enrolled host
-(slates.fleet.link checks).  Bounds: BATCH_BYTES per answer, MAX_WANTED pieces per ask,
+(slates.fleet.link_routing checks).  Bounds: BATCH_BYTES per answer, MAX_WANTED pieces per ask,
 REMOTE_TIMEOUT per peer exchange.
 """
 

@@ -44,7 +44,7 @@ machines, over QUIC:
   written in TMPDIR and removed after, each later version
   one submission of a scratch work volume), whose numbering is therefore
   the original's.  The adopted green answers under its fleet name:
-  `adopted` maps the name to (shard, local id) for slates.fleet.link's
+  `adopted` maps the name to (shard, local id) for slates.fleet.link_routing's
   request translation.  A commit that loses, or names an epoch that is no
   longer etcd's, raises EpochFenced with the committed owner.
 - Identities.  The value of a version made by a remote submission carries
