@@ -42,6 +42,7 @@
 #define BRIDGE_STAT_CLEAN_READS 67 /* READs served from the base, without the shard */
 #define BRIDGE_STAT_CLEAN_MISSES 68 /* clean-file entries that failed their check */
 #define BRIDGE_STAT_META_ANSWERS 69 /* LOOKUP/GETATTR/READLINK/ACCESS answered from the base */
+#define BRIDGE_STAT_ATTR_ANSWERS 70 /* GETATTRs answered from a mutation's reply */
 #define BRIDGE_COUNTERS 72
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
 
@@ -128,6 +129,9 @@ int bridge_test_absent_since(uint64_t ino, int invalidate_between);
  * invalidation of another inode when `invalidate_between`; then whether
  * it is known (1/0), or -errno. */
 int bridge_test_clean_since(uint64_t ino, int invalidate_between);
+/* The attribute table's lifetime rules (bridge_attr.c): whether an entry
+ * recorded for `ino` is known after `event` (see the function). */
+int bridge_test_attr_cache(uint64_t ino, int event);
 /* Tests: apply adds (key) and removes (~key) to a scratch node map
  * (bridge_meta.c), then whether it holds `probe` (or -ENOMEM). */
 int bridge_test_meta_map(const uint64_t *ops, uint32_t n, uint64_t probe);

@@ -10,6 +10,8 @@
  *                     and resend; the request counters.
  *   bridge_cache.c    what the bridge answers without asking the shard: the
  *                     xattr names known to be absent, per inode.
+ *   bridge_attr.c     the attributes a mutation's reply carried, answering
+ *                     the GETATTR the kernel sends for them next.
  *   bridge_clean.c    READs of files whose content is wholly their base
  *                     file's, served from the base directory.
  *   bridge_meta.c     LOOKUP, GETATTR, READLINK, ACCESS and LSEEK of
@@ -155,6 +157,8 @@ BRIDGE_INTERNAL void enc_create(uint64_t parent, const char *name, uint32_t mode
                                 uint32_t gid, int exclusive);
 BRIDGE_INTERNAL void enc_read(uint64_t ino, uint64_t offset, uint64_t size);
 BRIDGE_INTERNAL void enc_write(uint64_t ino, uint64_t offset, const void *data, size_t len);
+/* Mutations' encoders ask for the ATTRs they produce ("attrs": true,
+ * slates/node/fsops.py; bridge_attr.c keeps them). */
 BRIDGE_INTERNAL void enc_statfs(void);
 BRIDGE_INTERNAL void enc_readdir(uint64_t ino, uint64_t offset, int plus, uint64_t limit);
 BRIDGE_INTERNAL void enc_setxattr(uint64_t ino, const char *name, const void *value, size_t size,
@@ -215,6 +219,24 @@ BRIDGE_INTERNAL void absent_add_since(uint64_t key, uint64_t epoch);
 BRIDGE_INTERNAL void absent_mark_inode(uint64_t ino, uint64_t epoch);
 /* Forget every probed name's absence for one inode (and start a new epoch). */
 BRIDGE_INTERNAL void absent_forget_inode(uint64_t ino);
+
+/* -- bridge_attr.c ------------------------------------------------------------ */
+
+/* Invalidation epoch of the attribute table: read it before asking the
+ * shard; attr_note then records nothing if an invalidation ran. */
+BRIDGE_INTERNAL uint64_t attr_epoch(void);
+/* Forget one inode's attributes (before a request that may change them). */
+BRIDGE_INTERNAL void attr_drop(uint64_t ino);
+/* Forget every inode's attributes and start a new epoch (before UNLINK,
+ * RMDIR, RENAME; on a reconnect). */
+BRIDGE_INTERNAL void attr_drop_all(void);
+/* Forget one inode and start a new epoch (the shard invalidated it). */
+BRIDGE_INTERNAL void attr_invalidate(uint64_t ino);
+/* Keep an ATTR map a mutation's reply carried (NULL or not a map: nothing),
+ * unless an invalidation ran since `epoch`. */
+BRIDGE_INTERNAL void attr_note(const msgpack_object *attr, uint64_t epoch);
+/* Answer a GETATTR from the table: 1 when replied, 0 for the shard. */
+BRIDGE_INTERNAL int attr_answer(fuse_req_t req, uint64_t ino);
 
 /* -- bridge_clean.c ----------------------------------------------------------- */
 

@@ -330,6 +330,7 @@ static int wait_reply(int *status, const msgpack_object **result)
 static int reconnect_once(void)
 {
     bridge_detach();
+    attr_drop_all(); /* what the old shard's replies taught (bridge_attr.c) */
     int rc = bridge_reconnect_cb();
     if (rc == 0 && !g_bridge.attached)
         rc = -ENOTCONN;

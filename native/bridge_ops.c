@@ -20,6 +20,11 @@
  * table, and every request that may change an inode's content drops the
  * inode from it before it is forwarded.
  *
+ * Mutations ask the shard for the attributes they produce (the parent
+ * directory's, or the file's) and keep them (bridge_attr.c), so the GETATTR
+ * the kernel sends next, having invalidated them, needs no round trip; every
+ * request that may change an inode's attributes drops it from there first.
+ *
  * LOOKUP, GETATTR, READLINK, ACCESS, LSEEK and READDIRPLUS of untouched
  * base entries in directories the shard marked clean are answered from the
  * base (bridge_meta.c) before anything is sent; every other request first
@@ -45,12 +50,12 @@
 /* The epochs of the bridge's memories (bridge_cache.c, bridge_clean.c,
  * bridge_meta.c), read before a request is sent. */
 struct epochs {
-    uint64_t absent, clean, meta;
+    uint64_t absent, clean, meta, attr;
 };
 
 static struct epochs epochs_now(void)
 {
-    struct epochs ep = {absent_epoch(), clean_epoch(), meta_epoch()};
+    struct epochs ep = {absent_epoch(), clean_epoch(), meta_epoch(), attr_epoch()};
     return ep;
 }
 
@@ -88,6 +93,8 @@ static void reply_entry_from(fuse_req_t req, const msgpack_object *res, int crea
         absent_mark_inode(e.ino, ep.absent);
     clean_note_attr(e.ino, res, ep.clean);
     meta_note_attr(e.ino, res, ep.meta, 1);
+    /* A mutation's ENTRY carries its directory's new attributes (bridge_attr.c). */
+    attr_note(mp_get(res, "parent_attr"), ep.attr);
     e.attr_timeout = g_bridge.cache_timeout;
     e.entry_timeout = g_bridge.cache_timeout;
     if (create) {
@@ -100,16 +107,20 @@ static void reply_entry_from(fuse_req_t req, const msgpack_object *res, int crea
 }
 
 /* Send the encoded request and answer with the ENTRY it returns; `fresh`
- * as for reply_entry_from. */
-static void answer_entry(fuse_req_t req, int fresh)
+ * as for reply_entry_from; `keep_self`: the ENTRY is the attributes the
+ * mutation gave an existing inode (LINK), kept for the next GETATTR. */
+static void answer_entry(fuse_req_t req, int fresh, int keep_self)
 {
     const msgpack_object *res;
     struct epochs ep = epochs_now();
     int rc = link_call(&res);
-    if (rc != 0)
+    if (rc != 0) {
         fuse_reply_err(req, rc);
-    else
-        reply_entry_from(req, res, 0, NULL, fresh, ep);
+        return;
+    }
+    if (keep_self)
+        attr_note(res, ep.attr);
+    reply_entry_from(req, res, 0, NULL, fresh, ep);
 }
 
 static void answer_empty(fuse_req_t req)
@@ -117,6 +128,24 @@ static void answer_empty(fuse_req_t req)
     const msgpack_object *res;
     fuse_reply_err(req, link_call(&res));
 }
+
+/* Send the encoded mutation, keep the ATTRs its reply carries under `keys`
+ * (bridge_attr.c; NULL-terminated), and answer with its status. */
+static void answer_keeping_attrs(fuse_req_t req, const char *const *keys)
+{
+    const msgpack_object *res;
+    struct epochs ep = epochs_now();
+    int rc = link_call(&res);
+    if (rc == 0 && res != NULL && res->type == MSGPACK_OBJECT_MAP) {
+        for (; *keys != NULL; keys++)
+            attr_note(mp_get(res, *keys), ep.attr);
+    }
+    fuse_reply_err(req, rc);
+}
+
+static const char *const PARENT_ATTR[] = {"parent_attr", NULL};
+static const char *const BOTH_PARENTS_ATTR[] = {"parent_attr", "new_parent_attr", NULL};
+static const char *const FILE_ATTR[] = {"attr", NULL};
 
 /* What the bridge asks of the kernel (DESIGN.md section 2, fuse-levers). */
 static void op_init(void *userdata, struct fuse_conn_info *conn)
@@ -180,6 +209,7 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
         return;
     link_lock();
     PREPARE(req, parent);
+    attr_drop(parent); /* a bind may touch the directory: fs.getattr answers it */
     struct epochs ep = epochs_now();
     enc_lookup(parent, name);
     int rc = link_call(&res);
@@ -212,6 +242,7 @@ static void send_forgets(const struct fuse_forget_data *given, size_t n, int ker
     for (size_t i = 0; i < n; i++) {
         absent_forget_inode(given[i].ino);
         clean_drop(given[i].ino);
+        attr_drop(given[i].ino);
         uint64_t count = kernel ? meta_forget(given[i].ino, given[i].nlookup) : given[i].nlookup;
         if (count > 0) {
             items[kept].ino = given[i].ino;
@@ -247,8 +278,9 @@ static void op_forget_multi(fuse_req_t req, size_t count_, struct fuse_forget_da
     fuse_reply_none(req);
 }
 
-/* Send the encoded request and answer the kernel with the ATTR it returns. */
-static void reply_attr(fuse_req_t req)
+/* Send the encoded request and answer the kernel with the ATTR it returns;
+ * `keep`: a mutation's ATTR, kept for the kernel's next GETATTR. */
+static void reply_attr(fuse_req_t req, int keep)
 {
     const msgpack_object *res;
     struct stat st;
@@ -262,6 +294,8 @@ static void reply_attr(fuse_req_t req)
     if (rc == 0) {
         clean_note_attr(node, res, ep.clean);
         meta_note_attr(node, res, ep.meta, 0);
+        if (keep)
+            attr_note(res, ep.attr);
     }
     if (rc != 0)
         fuse_reply_err(req, rc);
@@ -274,10 +308,12 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     (void)fi;
     if (meta_getattr(req, ino))
         return;
+    if (attr_answer(req, ino))
+        return;
     link_lock();
     PREPARE(req, ino);
     enc_ino("fs.getattr", ino);
-    reply_attr(req);
+    reply_attr(req, 0);
 }
 
 static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set,
@@ -288,8 +324,9 @@ static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to
     PREPARE(req, ino);
     meta_taint(ino);
     clean_drop(ino); /* a truncation changes the content; the reply teaches again */
+    attr_drop(ino);
     enc_setattr(ino, attr, to_set);
-    reply_attr(req);
+    reply_attr(req, 1);
 }
 
 static void op_readlink(fuse_req_t req, fuse_ino_t ino)
@@ -327,8 +364,9 @@ static void op_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t
     link_lock();
     PREPARE(req, parent);
     meta_taint(parent);
+    attr_drop(parent);
     enc_mknod(parent, name, mode, rdev, ctx->uid, ctx->gid);
-    answer_entry(req, 1);
+    answer_entry(req, 1, 0);
 }
 
 static void op_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode)
@@ -337,8 +375,9 @@ static void op_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t
     link_lock();
     PREPARE(req, parent);
     meta_taint(parent);
+    attr_drop(parent);
     enc_mkdir(parent, name, mode, ctx->uid, ctx->gid);
-    answer_entry(req, 1);
+    answer_entry(req, 1, 0);
 }
 
 static void op_unlink(fuse_req_t req, fuse_ino_t parent, const char *name)
@@ -347,8 +386,9 @@ static void op_unlink(fuse_req_t req, fuse_ino_t parent, const char *name)
     PREPARE(req, parent);
     PREPARE_CHILD(req, parent, name);
     meta_taint(parent);
+    attr_drop_all(); /* the child's nlink and ctime change too */
     enc_entry_name("fs.unlink", parent, name);
-    answer_empty(req);
+    answer_keeping_attrs(req, PARENT_ATTR);
 }
 
 static void op_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name)
@@ -357,8 +397,9 @@ static void op_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name)
     PREPARE(req, parent);
     PREPARE_CHILD(req, parent, name);
     meta_taint(parent);
+    attr_drop_all();
     enc_entry_name("fs.rmdir", parent, name);
-    answer_empty(req);
+    answer_keeping_attrs(req, PARENT_ATTR);
 }
 
 static void op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, const char *name)
@@ -367,8 +408,9 @@ static void op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, cons
     link_lock();
     PREPARE(req, parent);
     meta_taint(parent);
+    attr_drop(parent);
     enc_symlink(parent, name, link, ctx->uid, ctx->gid);
-    answer_entry(req, 1);
+    answer_entry(req, 1, 0);
 }
 
 static void op_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino_t newparent,
@@ -381,8 +423,9 @@ static void op_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_
     PREPARE_CHILD(req, newparent, newname);
     meta_taint(parent);
     meta_taint(newparent);
+    attr_drop_all(); /* the moved and any replaced inode change too */
     enc_rename(parent, name, newparent, newname, flags);
-    answer_empty(req);
+    answer_keeping_attrs(req, BOTH_PARENTS_ATTR);
 }
 
 static void op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char *newname)
@@ -392,8 +435,10 @@ static void op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const 
     PREPARE(req, newparent);
     meta_taint(ino);
     meta_taint(newparent);
+    attr_drop(ino);
+    attr_drop(newparent);
     enc_link(ino, newparent, newname); /* an existing inode: not fresh */
-    answer_entry(req, 0);
+    answer_entry(req, 0, 1);
 }
 
 static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode,
@@ -406,6 +451,7 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
     PREPARE(req, parent);
     PREPARE_CHILD(req, parent, name); /* without O_EXCL it may answer with that file */
     meta_taint(parent);
+    attr_drop(parent);
     struct epochs ep = epochs_now();
     enc_create(parent, name, mode, ctx->uid, ctx->gid, exclusive);
     int rc = link_call(&res);
@@ -516,6 +562,7 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
     PREPARE(req, ino);
     meta_taint(ino);
     clean_drop(ino); /* before the shard sees the write */
+    attr_drop(ino);
     uint32_t chunk = io_chunk();
     size_t done = 0;
     int err = 0;
@@ -523,13 +570,17 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
         const msgpack_object *res;
         int64_t written;
         size_t n = size - done > chunk ? chunk : size - done;
+        uint64_t attr_ep = attr_epoch();
         enc_write(ino, (uint64_t)off + done, buf + done, n);
         err = link_call(&res);
         if (err == 0 && (!result_count(res, "written", &written) || written < 0 ||
                          (uint64_t)written > n))
             err = EIO;
-        if (err != 0)
+        if (err != 0) {
+            attr_drop(ino); /* what an earlier chunk's reply taught may be stale */
             break;
+        }
+        attr_note(mp_get(res, "attr"), attr_ep); /* the file after this chunk */
         done += (size_t)written;
         if ((size_t)written < n)
             break;
@@ -564,6 +615,7 @@ static void do_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, i
         return;
     link_lock();
     PREPARE(req, ino);
+    attr_drop(ino); /* binds may touch the directory: fs.getattr answers it */
     struct epochs ep = epochs_now();
     enc_readdir(ino, (uint64_t)off, plus, size);
     int rc = link_call(&res);
@@ -712,6 +764,7 @@ static void op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const 
     PREPARE(req, ino);
     meta_taint(ino);
     absent_remove(absent_key(ino, name));
+    attr_drop(ino); /* its ctime changes */
     enc_setxattr(ino, name, value, size, flags);
     answer_empty(req);
 }
@@ -800,6 +853,7 @@ static void op_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name)
     PREPARE(req, ino);
     meta_taint(ino);
     absent_remove(absent_key(ino, name));
+    attr_drop(ino);
     enc_ino_name("fs.removexattr", ino, name);
     answer_empty(req);
 }
@@ -822,8 +876,9 @@ static void op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset,
     PREPARE(req, ino);
     meta_taint(ino);
     clean_drop(ino);
+    attr_drop(ino);
     enc_fallocate(ino, mode, (uint64_t)offset, (uint64_t)length);
-    answer_empty(req);
+    answer_keeping_attrs(req, FILE_ATTR);
 }
 
 static void op_lseek(fuse_req_t req, fuse_ino_t ino, off_t off, int whence,
@@ -871,10 +926,14 @@ static void op_copy_file_range(fuse_req_t req, fuse_ino_t ino_in, off_t off_in,
     PREPARE(req, ino_out);
     meta_taint(ino_out);
     clean_drop(ino_out);
+    attr_drop(ino_out);
+    uint64_t attr_ep = attr_epoch();
     enc_copy_file_range(ino_in, (uint64_t)off_in, ino_out, (uint64_t)off_out, len);
     int rc = link_call(&res);
     if (rc == 0 && (!result_count(res, "copied", &copied) || copied < 0))
         rc = EIO;
+    if (rc == 0)
+        attr_note(mp_get(res, "attr"), attr_ep);
     if (rc != 0)
         fuse_reply_err(req, rc);
     else

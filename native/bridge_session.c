@@ -13,7 +13,8 @@
  * tells the bridge what another client changed, and the kernel forgets its
  * cached attributes, pages and names for it (and bridge_cache.c its
  * absent xattrs, bridge_clean.c its clean-base-file entry, bridge_meta.c
- * its clean metadata: a tainted node is the shard's to answer).
+ * its clean metadata: a tainted node is the shard's to answer; bridge_attr.c
+ * the attributes a mutation's reply carried).
  */
 #include "bridge_internal.h"
 
@@ -68,6 +69,7 @@ int bridge_notify_inval_inode(uint64_t ino)
     absent_forget_inode(ino); /* another client may have set one of them */
     clean_invalidate(ino); /* another client may have changed its content */
     meta_taint(ino);       /* ... or its attributes, or its names */
+    attr_invalidate(ino);  /* the attributes a reply of ours carried are old */
     int rc = fuse_lowlevel_notify_inval_inode(g_bridge.se, (fuse_ino_t)ino, 0, 0);
     return rc == -ENOENT ? 0 : rc;
 }
@@ -77,6 +79,7 @@ int bridge_notify_inval_entry(uint64_t parent, const char *name, size_t namelen)
     if (g_bridge.se == NULL)
         return -ENOTCONN;
     meta_taint(parent); /* its names changed: the shard answers them from now on */
+    attr_invalidate(parent); /* ... and its size, times and link count */
     int rc = fuse_lowlevel_notify_inval_entry(g_bridge.se, (fuse_ino_t)parent, name, namelen);
     return rc == -ENOENT ? 0 : rc;
 }

@@ -270,7 +270,8 @@ void enc_setattr(uint64_t ino, const struct stat *attr, int to_set)
 void enc_mknod(uint64_t parent, const char *name, uint32_t mode, uint64_t rdev,
                       uint32_t uid, uint32_t gid)
 {
-    req_begin("fs.mknod", 6);
+    req_begin("fs.mknod", 7);
+    kv_bool("attrs", 1);
     kv_u64("parent", parent);
     kv_name("name", name);
     kv_u64("mode", mode);
@@ -282,7 +283,8 @@ void enc_mknod(uint64_t parent, const char *name, uint32_t mode, uint64_t rdev,
 void enc_mkdir(uint64_t parent, const char *name, uint32_t mode, uint32_t uid,
                       uint32_t gid)
 {
-    req_begin("fs.mkdir", 5);
+    req_begin("fs.mkdir", 6);
+    kv_bool("attrs", 1);
     kv_u64("parent", parent);
     kv_name("name", name);
     kv_u64("mode", mode & 07777);
@@ -292,7 +294,8 @@ void enc_mkdir(uint64_t parent, const char *name, uint32_t mode, uint32_t uid,
 
 void enc_entry_name(const char *op, uint64_t parent, const char *name)
 {
-    req_begin(op, 2);
+    req_begin(op, 3);
+    kv_bool("attrs", 1); /* fs.unlink, fs.rmdir */
     kv_u64("parent", parent);
     kv_name("name", name);
 }
@@ -300,7 +303,8 @@ void enc_entry_name(const char *op, uint64_t parent, const char *name)
 void enc_symlink(uint64_t parent, const char *name, const char *target, uint32_t uid,
                         uint32_t gid)
 {
-    req_begin("fs.symlink", 5);
+    req_begin("fs.symlink", 6);
+    kv_bool("attrs", 1);
     kv_u64("parent", parent);
     kv_name("name", name);
     kv_name("target", target);
@@ -311,7 +315,8 @@ void enc_symlink(uint64_t parent, const char *name, const char *target, uint32_t
 void enc_rename(uint64_t parent, const char *name, uint64_t new_parent,
                        const char *new_name, unsigned flags)
 {
-    req_begin("fs.rename", 5);
+    req_begin("fs.rename", 6);
+    kv_bool("attrs", 1);
     kv_u64("parent", parent);
     kv_name("name", name);
     kv_u64("new_parent", new_parent);
@@ -321,7 +326,8 @@ void enc_rename(uint64_t parent, const char *name, uint64_t new_parent,
 
 void enc_link(uint64_t ino, uint64_t new_parent, const char *new_name)
 {
-    req_begin("fs.link", 3);
+    req_begin("fs.link", 4);
+    kv_bool("attrs", 1);
     kv_u64("ino", ino);
     kv_u64("new_parent", new_parent);
     kv_name("new_name", new_name);
@@ -330,7 +336,8 @@ void enc_link(uint64_t ino, uint64_t new_parent, const char *new_name)
 void enc_create(uint64_t parent, const char *name, uint32_t mode, uint32_t uid,
                        uint32_t gid, int exclusive)
 {
-    req_begin("fs.create", 6);
+    req_begin("fs.create", 7);
+    kv_bool("attrs", 1);
     kv_u64("parent", parent);
     kv_name("name", name);
     kv_u64("mode", mode & 07777);
@@ -349,7 +356,8 @@ void enc_read(uint64_t ino, uint64_t offset, uint64_t size)
 
 void enc_write(uint64_t ino, uint64_t offset, const void *data, size_t len)
 {
-    req_begin("fs.write", 3);
+    req_begin("fs.write", 4);
+    kv_bool("attrs", 1);
     kv_u64("ino", ino);
     kv_u64("offset", offset);
     kv_bin("data", data, len);
@@ -404,7 +412,8 @@ void enc_ino_name(const char *op, uint64_t ino, const char *name)
 
 void enc_fallocate(uint64_t ino, int mode, uint64_t offset, uint64_t length)
 {
-    req_begin("fs.fallocate", 4);
+    req_begin("fs.fallocate", 5);
+    kv_bool("attrs", 1);
     kv_u64("ino", ino);
     kv_u64("mode", (uint64_t)(unsigned)mode);
     kv_u64("offset", offset);
@@ -422,7 +431,8 @@ void enc_lseek(uint64_t ino, uint64_t offset, int whence)
 void enc_copy_file_range(uint64_t ino_in, uint64_t off_in, uint64_t ino_out,
                                 uint64_t off_out, uint64_t length)
 {
-    req_begin("fs.copy_file_range", 5);
+    req_begin("fs.copy_file_range", 6);
+    kv_bool("attrs", 1);
     kv_u64("ino_in", ino_in);
     kv_u64("off_in", off_in);
     kv_u64("ino_out", ino_out);

@@ -60,6 +60,7 @@ SOURCES = (
     "bridge_wire.c",
     "bridge_link.c",
     "bridge_cache.c",
+    "bridge_attr.c",
     "bridge_clean.c",
     "bridge_map.c",
     "bridge_meta.c",
@@ -103,6 +104,7 @@ ffibuilder.cdef(
     #define BRIDGE_STAT_CLEAN_READS ...
     #define BRIDGE_STAT_CLEAN_MISSES ...
     #define BRIDGE_STAT_META_ANSWERS ...
+    #define BRIDGE_STAT_ATTR_ANSWERS ...
     #define BRIDGE_RECONNECT_SECONDS ...
     #define BRIDGE_MAX_IO ...
     #define BRIDGE_LOOP_THREADS ...
@@ -134,6 +136,7 @@ ffibuilder.cdef(
     int bridge_test_absent_set(const uint64_t *ops, uint32_t n, uint64_t probe);
     int bridge_test_absent_since(uint64_t ino, int invalidate_between);
     int bridge_test_clean_since(uint64_t ino, int invalidate_between);
+    int bridge_test_attr_cache(uint64_t ino, int event);
     int bridge_test_meta_map(const uint64_t *ops, uint32_t n, uint64_t probe);
     uint64_t bridge_test_cookie(const char *name, size_t len);
 

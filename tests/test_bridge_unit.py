@@ -102,6 +102,9 @@ def _encoded(which: int) -> tuple[str, dict[str, Any]] | None:
     return ffi.string(op).decode(), message
 
 
+# Mutations ask for the attributes they produce (slates/node/fsops.py, native/bridge_attr.c).
+ATTRS: dict[str, Any] = {"attrs": True}
+
 EXPECTED: list[tuple[str, dict[str, Any]]] = [
     ("fs.lookup", {"parent": 1, "name": "héllo"}),
     ("fs.lookup", {"parent": 1, "name": b"\xff\xfe"}),
@@ -122,20 +125,27 @@ EXPECTED: list[tuple[str, dict[str, Any]]] = [
     ("fs.readlink", {"ino": 9}),
     (
         "fs.mknod",
-        {"parent": 1, "name": "fifo", "mode": stat.S_IFIFO | 0o644, "rdev": 0, "uid": 1, "gid": 2},
+        {"parent": 1, "name": "fifo", "mode": stat.S_IFIFO | 0o644, "rdev": 0, "uid": 1, "gid": 2}
+        | ATTRS,
     ),
-    ("fs.mkdir", {"parent": 1, "name": "d", "mode": 0o755, "uid": 1, "gid": 2}),
-    ("fs.unlink", {"parent": 1, "name": "f"}),
-    ("fs.rmdir", {"parent": 1, "name": "d"}),
-    ("fs.symlink", {"parent": 1, "name": "l", "target": "../target", "uid": 1, "gid": 2}),
-    ("fs.rename", {"parent": 1, "name": "a", "new_parent": 2, "new_name": "b", "flags": 1}),
-    ("fs.link", {"ino": 5, "new_parent": 2, "new_name": "h"}),
+    ("fs.mkdir", {"parent": 1, "name": "d", "mode": 0o755, "uid": 1, "gid": 2} | ATTRS),
+    ("fs.unlink", {"parent": 1, "name": "f"} | ATTRS),
+    ("fs.rmdir", {"parent": 1, "name": "d"} | ATTRS),
+    (
+        "fs.symlink",
+        {"parent": 1, "name": "l", "target": "../target", "uid": 1, "gid": 2} | ATTRS,
+    ),
+    (
+        "fs.rename",
+        {"parent": 1, "name": "a", "new_parent": 2, "new_name": "b", "flags": 1} | ATTRS,
+    ),
+    ("fs.link", {"ino": 5, "new_parent": 2, "new_name": "h"} | ATTRS),
     (
         "fs.create",
-        {"parent": 1, "name": "c", "mode": 0o600, "uid": 1, "gid": 2, "exclusive": True},
+        {"parent": 1, "name": "c", "mode": 0o600, "uid": 1, "gid": 2, "exclusive": True} | ATTRS,
     ),
     ("fs.read", {"ino": 5, "offset": 4096, "size": 65536}),
-    ("fs.write", {"ino": 5, "offset": 10, "data": b"hello\x00world"}),
+    ("fs.write", {"ino": 5, "offset": 10, "data": b"hello\x00world"} | ATTRS),
     ("fs.fsync", {"ino": 5}),
     ("fs.statfs", {}),
     ("fs.readdir", {"ino": 1, "offset": 0, "plus": True, "limit_bytes": 4096}),
@@ -143,16 +153,16 @@ EXPECTED: list[tuple[str, dict[str, Any]]] = [
     ("fs.getxattr", {"ino": 5, "name": "user.k"}),
     ("fs.listxattr", {"ino": 5}),
     ("fs.removexattr", {"ino": 5, "name": "user.k"}),
-    ("fs.fallocate", {"ino": 5, "mode": 1, "offset": 0, "length": 8192}),
+    ("fs.fallocate", {"ino": 5, "mode": 1, "offset": 0, "length": 8192} | ATTRS),
     ("fs.lseek", {"ino": 5, "offset": 100, "whence": 3}),
     (
         "fs.copy_file_range",
-        {"ino_in": 5, "off_in": 0, "ino_out": 6, "off_out": 4096, "length": 1 << 30},
+        {"ino_in": 5, "off_in": 0, "ino_out": 6, "off_out": 4096, "length": 1 << 30} | ATTRS,
     ),
     ("fs.access", {"ino": 5, "mask": 4}),
     (
         "fs.create",
-        {"parent": 1, "name": "c", "mode": 0o644, "uid": 1, "gid": 2, "exclusive": False},
+        {"parent": 1, "name": "c", "mode": 0o644, "uid": 1, "gid": 2, "exclusive": False} | ATTRS,
     ),
 ]
 
@@ -286,6 +296,16 @@ def test_absence_learned_across_an_invalidation_is_not_recorded() -> None:
     # win: the loop thread records nothing learned from before it.
     assert lib.bridge_test_absent_since(70001, 0) == 1
     assert lib.bridge_test_absent_since(70011, 1) == 0
+
+
+def test_the_attribute_table_keeps_an_entry_only_while_it_is_true() -> None:
+    # bridge_attr.c: kept when nothing happened (or another inode was dropped);
+    # not recorded across an invalidation; gone after a drop, a drop-all or the
+    # shard's invalidation of the inode.
+    assert lib.bridge_test_attr_cache(90001, 0) == 1
+    assert lib.bridge_test_attr_cache(90001, 5) == 1
+    for event in (1, 2, 3, 4):
+        assert lib.bridge_test_attr_cache(90001, event) == 0, event
 
 
 def test_malformed_replies_are_rejected() -> None:

@@ -482,3 +482,56 @@ def test_the_mount_bridge_loads_no_core_merge_or_trio() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.split() == ["slates.base.beneath"]
+
+
+BRIDGE_NEEDS = ("slates._native", "slates.node.protocol", "socket", "msgpack", "argparse")
+"""What a bridge cannot start without (so the probe below is not blind)."""
+NEVER_FOR_THE_BRIDGE = (
+    "trio",
+    "pygit2",
+    "slates.core",
+    "slates.merge",
+    "slates.sdk",
+    "slates_cli",
+    "click",
+    "rich",
+    "uuid",
+    "statistics",
+    "subprocess",
+    "asyncio",
+    "logging",
+    "tempfile",
+    "hashlib",
+    "concurrent",
+)
+"""What a bridge's start must not load (issue 14: its start is most of a mount): the
+heavy packages, and stdlib modules it once loaded for one call (uuid for a client id,
+statistics for a median)."""
+
+_BRIDGE_PROBE = """
+import json, runpy, sys
+sys.argv = ["slates-bridge", "--volume", "vol-0-1", "--mountpoint", sys.argv[1]]
+try:
+    runpy.run_module("slates.fuse.bridge", run_name="__main__", alter_sys=True)
+except SystemExit as done:
+    code = done.code
+print(json.dumps({"code": code, "loaded": sorted(sys.modules)}))
+"""
+
+
+def test_the_bridge_starts_lean(tmp_path: Path) -> None:
+    """The bridge as the anchor runs it (`-m slates.fuse.bridge`), up to its first check
+    (a mountpoint that does not exist): it loads what it needs and nothing of the rest."""
+    missing = tmp_path / "missing"
+    done = subprocess.run(
+        [sys.executable, "-c", _BRIDGE_PROBE, str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    seen = json.loads(done.stdout)
+    assert seen["code"] == 1 and "mountpoint does not exist" in done.stderr, done.stderr
+    probe = Probe(frozenset(seen["loaded"]), ())
+    assert all(probe.of(module) for module in BRIDGE_NEEDS), sorted(probe.loaded)
+    assert not probe.any_of(NEVER_FOR_THE_BRIDGE), sorted(probe.any_of(NEVER_FOR_THE_BRIDGE))

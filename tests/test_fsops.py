@@ -5,10 +5,12 @@ from __future__ import annotations
 import stat
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from slates.core import ROOT_INO, Host, Volume
 from slates.core.extents import PAGE
-from slates.errors import AlreadyExists, InvalidArgument, NoSuchOffset, NotFound
+from slates.errors import AlreadyExists, InvalidArgument, NoSuchOffset, NotFound, SlatesError
 from slates.node.fsops import cookie_of, entry_size, run_fs_op
 from tests.volume_check import check_invariants
 
@@ -185,3 +187,105 @@ def test_unknown_and_malformed_fs_requests_are_invalid() -> None:
         fs(volume, "getattr", ino="1")
     with pytest.raises(InvalidArgument):
         fs(volume, "forget", items=[[1]])
+
+
+def _plain(reply: object) -> dict[str, object]:
+    """fs.getattr's answer without the optional clean-base hints."""
+    assert isinstance(reply, dict)
+    return {k: v for k, v in reply.items() if k not in ("base", "dir")}
+
+
+MUTATIONS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ("create", "mkdir", "symlink", "link", "write", "unlink", "rename", "fallocate", "copy")
+        ),
+        st.integers(0, 3),
+        st.integers(0, 3),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@given(MUTATIONS)
+@settings(max_examples=60, deadline=None)
+def test_a_mutation_asked_for_attrs_returns_what_getattr_answers_next(
+    steps: list[tuple[str, int, int]],
+) -> None:
+    volume = Volume.new(Host())
+    sub = fs(volume, "mkdir", parent=ROOT_INO, name="sub", mode=0o755, uid=0, gid=0)
+    assert isinstance(sub, dict)
+    dirs = [ROOT_INO, int(sub["ino"])]
+    files: list[int] = [make(volume, "seed", b"seed")]
+    for now, (op, a, b) in enumerate(steps, start=2000):
+        parent, other = dirs[a % 2], dirs[b % 2]
+        name, new_name = f"n{a}", f"n{b}"
+        file = files[(a + b) % len(files)]
+        args: dict[str, object]
+        match op:
+            case "create":
+                args = {"parent": parent, "name": name, "mode": 0o644, "uid": 0, "gid": 0}
+            case "mkdir":
+                args = {"parent": parent, "name": name, "mode": 0o755, "uid": 0, "gid": 0}
+            case "symlink":
+                args = {"parent": parent, "name": name, "target": "t", "uid": 0, "gid": 0}
+            case "link":
+                args = {"ino": file, "new_parent": other, "new_name": new_name}
+            case "write":
+                args = {"ino": file, "offset": a * 100, "data": b"w" * (b + 1)}
+            case "unlink":
+                args = {"parent": parent, "name": name}
+            case "rename":
+                args = {
+                    "parent": parent,
+                    "name": name,
+                    "new_parent": other,
+                    "new_name": new_name,
+                    "flags": 0,
+                }
+            case "fallocate":
+                args = {"ino": file, "mode": 0, "offset": 0, "length": 4096 * (a + 1)}
+            case _:
+                args = {
+                    "ino_in": files[0],
+                    "off_in": 0,
+                    "ino_out": file,
+                    "off_out": b * 10,
+                    "length": 4,
+                }
+        fs_op = "copy_file_range" if op == "copy" else op
+        try:
+            reply = run_fs_op(volume, "fs." + fs_op, {**args, "attrs": True}, now)
+        except SlatesError:
+            continue  # refused (exists, not found, not empty...): nothing changed
+        assert isinstance(reply, dict), (op, reply)
+        if op in ("create", "link") and stat.S_ISREG(int(reply["mode"])):
+            files.append(int(reply["ino"]))
+        expected = {
+            "parent_attr": args.get("parent", args.get("new_parent")),
+            "new_parent_attr": args.get("new_parent") if op == "rename" else None,
+            "attr": args.get("ino", args.get("ino_out"))
+            if op in ("write", "fallocate", "copy")
+            else None,
+        }
+        if op in ("write", "fallocate", "copy"):
+            expected["parent_attr"] = None
+        for key, ino in expected.items():
+            if ino is None:
+                assert key not in reply, (op, key)
+                continue
+            assert reply[key] == _plain(fs(volume, "getattr", ino=ino)), (op, key)
+    check_invariants(volume)
+
+
+def test_without_the_flag_mutations_answer_as_before() -> None:
+    volume = Volume.new(Host())
+    ino = make(volume, "f")
+    assert fs(volume, "write", ino=ino, offset=0, data=b"abc") == 3
+    assert fs(volume, "fallocate", ino=ino, mode=0, offset=0, length=8192) == {}
+    entry = fs(volume, "link", ino=ino, new_parent=ROOT_INO, new_name="g")
+    assert isinstance(entry, dict) and "parent_attr" not in entry
+    assert fs(volume, "unlink", parent=ROOT_INO, name="g") == {}
+    reply = fs(volume, "write", ino=ino, offset=0, data=b"abcd", attrs=True)
+    assert reply == {"written": 4, "attr": _plain(fs(volume, "getattr", ino=ino))}

@@ -82,6 +82,19 @@ from its saved result if the request had already run.  A shard restart is
 a pause, not an error; after BRIDGE_RECONNECT_SECONDS without a shard the
 request fails with EIO.
 
+Start-up cost (issue 14): a bridge is a fresh interpreter, and a mount
+waits for it.  Its imports are kept to what it uses
+(tests/test_cli_startup.py checks them), and the spin calibration comes
+from the runtime directory's cache (slates.node.ring.cached_spin_ns), so
+only the first bridge of a boot measures.  A spare bridge
+(`--spare`) goes further: it starts, imports, ties its life to the anchor
+and reads the calibration before it has a job, then waits for one JSON
+line on --job-fd (a MountJob: volume, mountpoint, flags, the agent's
+token) and mounts it as a bridge started with those arguments would; EOF
+before a job ends it quietly (the anchor let its spare go).  A supervisor
+that keeps one spare ready pays only connect, probe, mount and INIT per
+mount.
+
 Not here yet: invalidating the kernel's caches when the volume changes by
 another path (needs a shard -> bridge notification channel).
 """
@@ -92,7 +105,9 @@ import argparse
 import array
 import contextlib
 import ctypes
+import dataclasses
 import errno
+import json
 import mmap
 import os
 import signal
@@ -101,7 +116,6 @@ import stat
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -123,7 +137,7 @@ from slates.node.protocol import (
     shard_of,
     unpack,
 )
-from slates.node.ring import default_spin_ns
+from slates.node.ring import MAX_SPIN_NS, cached_spin_ns
 from slates.node.runtime import Runtime
 
 # The bridge serves one kernel request at a time, so while it waits for the
@@ -141,14 +155,18 @@ __all__ = [
     "REPLY_LIMIT",
     "STATS",
     "THREADS_ENV",
+    "JOB_LIMIT",
     "Bridge",
+    "MountJob",
     "check_mountpoint",
     "kernel_requests",
     "loop_threads",
     "KERNEL_OPS",
     "hello",
     "main",
+    "parse_mount_job",
     "read_counters",
+    "read_mount_job",
     "run_bridge",
 ]
 
@@ -156,6 +174,7 @@ RECONNECT_SECONDS: int = lib.BRIDGE_RECONNECT_SECONDS
 COUNTER_SLOTS: int = lib.BRIDGE_COUNTERS
 HELLO_TIMEOUT = 2.0  # per attempt; C retries until RECONNECT_SECONDS
 REPLY_LIMIT = 16 << 20  # `Bridge.request` replies (a ring message is smaller anyway)
+JOB_LIMIT = 64 << 10  # a spare's job line (paths, flags and a token: far less)
 _uncleared = ffi.new_allocator(should_clear_after_alloc=False)
 
 # The kernel's FUSE opcode numbers, for reading the counters.
@@ -218,6 +237,7 @@ STATS: dict[int, str] = {
     lib.BRIDGE_STAT_CLEAN_READS: "clean_reads",
     lib.BRIDGE_STAT_CLEAN_MISSES: "clean_misses",
     lib.BRIDGE_STAT_META_ANSWERS: "meta_answers",
+    lib.BRIDGE_STAT_ATTR_ANSWERS: "attr_answers",
 }
 
 
@@ -331,25 +351,41 @@ def hello(
 class Bridge:
     """The Python half of one bridge process (the C half is process-global)."""
 
-    def __init__(self, runtime: Runtime, volume: str, client_id: str | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        volume: str,
+        client_id: str | None = None,
+        token: str | None = None,
+    ) -> None:
         self.runtime = runtime
         self.volume = volume
         self.shard = shard_of(volume)
         # Random per process: a recycled pid must not inherit an old bridge's requests.
-        self.client_id = client_id or f"bridge-{volume}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.client_id = client_id or f"bridge-{volume}-{os.getpid()}-{os.urandom(6).hex()}"
         self._counters: mmap.mmap | None = None
         self._counters_buffer: Any = None
         self.mounted = False
         self.stopping = False
         self.watching = threading.Event()
         # An agent's mount acts as that agent: the anchor hands its token over in
-        # the environment (never argv), and the shard authorizes every request.
-        self.token = os.environ.get("SLATES_TOKEN") or None
+        # the environment or a spare's job (never argv); the shard authorizes every request.
+        self.token = token or os.environ.get("SLATES_TOKEN") or None
 
     def configure(self, spin_ns: int | None = None) -> None:
         """Set the reply spin: long enough to cover a typical request in the shard
-        (REPLY_SPIN_NS), so the shard's answer rarely needs an eventfd wake-up."""
-        spin = max(default_spin_ns(), REPLY_SPIN_NS) if spin_ns is None else spin_ns
+        (REPLY_SPIN_NS), so the shard's answer rarely needs an eventfd wake-up, or
+        `spin_ns` (0 to MAX_SPIN_NS) when given.  The wake-up cost comes from the
+        runtime directory's calibration cache (slates.node.ring.cached_spin_ns),
+        so only the first bridge of a boot pays for measuring it."""
+        if spin_ns is None:
+            spin = max(cached_spin_ns(self.runtime.path), REPLY_SPIN_NS)
+        elif 0 <= spin_ns <= MAX_SPIN_NS:
+            spin = spin_ns
+        else:
+            raise InvalidArgument(
+                "the reply spin is 0 to MAX_SPIN_NS nanoseconds", spin_ns=spin_ns, most=MAX_SPIN_NS
+            )
         rc = lib.bridge_configure(self.volume.encode(), spin)
         if rc < 0:
             raise InvalidArgument("bad volume id for the bridge", volume=self.volume)
@@ -600,17 +636,21 @@ def run_bridge(
     writeback: bool = True,
     counters: str | os.PathLike[str] | None = None,
     uncached: bool = False,
+    spin_ns: int | None = None,
+    token: str | None = None,
 ) -> None:
     """Connect, probe, mount, serve until told to stop, unmount.
 
     uncached=True sets the kernel's entry and attribute timeouts to 0, so
     every lookup and stat reaches the shard (for measuring per-request
     latency, bench/scaling_bench.py); the default keeps them for a day.
+    spin_ns, when given, replaces the calibrated reply spin (Bridge.configure);
+    token, when given, is the agent's (else $SLATES_TOKEN).
     """
     global _ACTIVE
     where = check_mountpoint(mountpoint)
-    bridge = Bridge(Runtime(runtime_dir), volume)
-    bridge.configure()
+    bridge = Bridge(Runtime(runtime_dir), volume, token=token)
+    bridge.configure(spin_ns)
     bridge.use_threads(loop_threads())
     if uncached and lib.bridge_set_cache_timeout(0.0) < 0:
         raise InvalidArgument("cannot turn the kernel's entry and attribute caches off")
@@ -657,6 +697,74 @@ def loop_threads() -> int:
         raise InvalidArgument(f"{THREADS_ENV} is a thread count", value=raw) from None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class MountJob:
+    """What a spare bridge is asked to serve: run_bridge's arguments, as one JSON object."""
+
+    volume: str
+    mountpoint: str
+    counters: str | None = None
+    allow_other: bool = False
+    auto_unmount: bool = False
+    writeback: bool = True
+    uncached: bool = False
+    spin_ns: int | None = None
+    token: str | None = None
+
+
+_JOB_TYPES: dict[str, tuple[type, ...]] = {
+    "volume": (str,),
+    "mountpoint": (str,),
+    "counters": (str, type(None)),
+    "allow_other": (bool,),
+    "auto_unmount": (bool,),
+    "writeback": (bool,),
+    "uncached": (bool,),
+    "spin_ns": (int, type(None)),
+    "token": (str, type(None)),
+}
+
+
+def parse_mount_job(line: bytes) -> MountJob:
+    """A spare's job from its JSON line; InvalidArgument for anything else (unknown or
+    missing fields, wrong types: bool is not an int here)."""
+    try:
+        fields = json.loads(line)
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidArgument("a mount job is one JSON object") from None
+    if not isinstance(fields, dict):
+        raise InvalidArgument("a mount job is one JSON object")
+    unknown = sorted(set(fields) - set(_JOB_TYPES))
+    if unknown:
+        raise InvalidArgument("unknown mount job fields", fields=unknown)
+    for name in ("volume", "mountpoint"):
+        if name not in fields:
+            raise InvalidArgument("a mount job names its volume and mountpoint", missing=name)
+    for name, value in fields.items():
+        kinds = _JOB_TYPES[name]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise InvalidArgument("a mount job field has the wrong type", field=name)
+    return MountJob(**fields)
+
+
+def read_mount_job(fd: int) -> MountJob | None:
+    """Wait for one job line on `fd` (at most JOB_LIMIT bytes); None on EOF before any."""
+    line = bytearray()
+    while b"\n" not in line:
+        chunk = os.read(fd, JOB_LIMIT + 1 - len(line))
+        if not chunk:
+            if not line:
+                return None
+            raise InvalidArgument("the mount job ended before its newline")
+        line += chunk
+        if len(line) > JOB_LIMIT and b"\n" not in line:
+            raise InvalidArgument("the mount job is too long", most=JOB_LIMIT)
+    job, _, rest = bytes(line).partition(b"\n")
+    if rest:
+        raise InvalidArgument("a spare takes one mount job")
+    return parse_mount_job(job)
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
@@ -675,8 +783,14 @@ def _end_with_the_anchor() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slates-bridge", description=__doc__.splitlines()[0])
     parser.add_argument("--runtime-dir", default=None)
-    parser.add_argument("--volume", required=True)
-    parser.add_argument("--mountpoint", required=True)
+    parser.add_argument("--volume", default=None, help="required unless --spare")
+    parser.add_argument("--mountpoint", default=None, help="required unless --spare")
+    parser.add_argument(
+        "--spare",
+        action="store_true",
+        help="start now, then mount the job (one JSON line, MountJob) read from --job-fd",
+    )
+    parser.add_argument("--job-fd", type=int, default=0, help="where a spare reads its job")
     parser.add_argument("--ready-fd", type=int, default=-1)
     parser.add_argument("--allow-other", action="store_true")
     parser.add_argument("--auto-unmount", action="store_true")
@@ -691,22 +805,51 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="entry and attribute timeouts 0: every lookup and stat asks the shard (benchmarks)",
     )
+    parser.add_argument(
+        "--spin-ns",
+        type=int,
+        default=None,
+        help="reply spin in nanoseconds (default: the calibrated wake-up cost, at least 100 us)",
+    )
     args = parser.parse_args(argv)
+    if args.spare == (args.volume is not None or args.mountpoint is not None):
+        parser.error("give --volume and --mountpoint, or --spare (its job names them)")
+    if not args.spare and (args.volume is None or args.mountpoint is None):
+        parser.error("give both --volume and --mountpoint")
     # Before the C loop owns the signals, a SIGTERM must still unwind (and unmount).
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
     _end_with_the_anchor()
     try:
+        if args.spare:
+            # The first spare of a boot calibrates here, before any mount waits for it.
+            cached_spin_ns(Runtime(args.runtime_dir).path)
+            job = read_mount_job(args.job_fd)
+            if job is None:
+                return 0  # the anchor let its spare go
+        else:
+            job = MountJob(
+                args.volume,
+                args.mountpoint,
+                counters=args.counters,
+                allow_other=args.allow_other,
+                auto_unmount=args.auto_unmount,
+                writeback=not args.no_writeback_cache,
+                uncached=args.uncached,
+                spin_ns=args.spin_ns,
+            )
         run_bridge(
             args.runtime_dir,
-            args.volume,
-            args.mountpoint,
+            job.volume,
+            job.mountpoint,
             ready_fd=args.ready_fd,
-            allow_other=args.allow_other,
-            auto_unmount=args.auto_unmount,
-            writeback=not args.no_writeback_cache,
-            counters=args.counters,
-            uncached=args.uncached,
+            allow_other=job.allow_other,
+            auto_unmount=job.auto_unmount,
+            writeback=job.writeback,
+            counters=job.counters,
+            uncached=job.uncached,
+            spin_ns=job.spin_ns,
+            token=job.token,
         )
     except SlatesError as exc:
         details = " ".join(f"{k}={v}" for k, v in exc.details.items())

@@ -194,6 +194,38 @@ def _entry(volume: Volume, attr: Attr) -> dict[str, Any]:
     return attr_reply(volume, attr)
 
 
+def _attrs_of(volume: Volume, args: dict[str, Any], **inos: int) -> dict[str, Any]:
+    """The ATTRs of `inos` after a mutation, when the request asked for them (`attrs`).
+
+    Read after the mutation has been applied: an inode that is gone by then (nothing
+    the bridge could ask about) is left out rather than failing a done mutation."""
+    if args.get("attrs") is not True:
+        return {}
+    out: dict[str, Any] = {}
+    for key, ino in inos.items():
+        try:
+            out[key] = attr_map(volume.getattr(ino))
+        except NotFound:
+            continue
+    return out
+
+
+def _entry_with_parent(
+    volume: Volume, args: dict[str, Any], attr: Attr, parent: int
+) -> dict[str, Any]:
+    out = _entry(volume, attr)
+    out.update(_attrs_of(volume, args, parent_attr=parent))
+    return out
+
+
+def _with_file_attr(volume: Volume, args: dict[str, Any], key: str, count: int, ino: int) -> Any:
+    """A count result (`written`, `copied`), as {key: count, "attr": ...} when asked."""
+    extra = _attrs_of(volume, args, attr=ino)
+    if not extra:
+        return count
+    return {key: count, **extra}
+
+
 def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
     """Run one fs.* operation on `volume` at time `now`."""
     match op:
@@ -237,13 +269,13 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
                 gid=gid,
                 time_ns=now,
             )
-            return _entry(volume, attr)
+            return _entry_with_parent(volume, args, attr, _int(args, "parent"))
         case "fs.unlink":
             volume.unlink(_int(args, "parent"), _name(args), time_ns=now)
-            return {}
+            return _attrs_of(volume, args, parent_attr=_int(args, "parent"))
         case "fs.rmdir":
             volume.rmdir(_int(args, "parent"), _name(args), time_ns=now)
-            return {}
+            return _attrs_of(volume, args, parent_attr=_int(args, "parent"))
         case "fs.symlink":
             attr = volume.symlink(
                 _int(args, "parent"),
@@ -253,7 +285,7 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
                 gid=_group_of_new(volume, args)[0],
                 time_ns=now,
             )
-            return _entry(volume, attr)
+            return _entry_with_parent(volume, args, attr, _int(args, "parent"))
         case "fs.rename":
             volume.rename(
                 _int(args, "parent"),
@@ -263,12 +295,17 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
                 _int(args, "flags"),
                 time_ns=now,
             )
-            return {}
+            return _attrs_of(
+                volume,
+                args,
+                parent_attr=_int(args, "parent"),
+                new_parent_attr=_int(args, "new_parent"),
+            )
         case "fs.link":
             attr = volume.link(
                 _int(args, "ino"), _int(args, "new_parent"), _name(args, "new_name"), time_ns=now
             )
-            return _entry(volume, attr)
+            return _entry_with_parent(volume, args, attr, _int(args, "new_parent"))
         case "fs.create":
             return _create(volume, args, now)
         case "fs.read":
@@ -278,7 +315,9 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
             data = args.get("data")
             if not isinstance(data, bytes):
                 raise InvalidArgument("data must be bytes")
-            return volume.write(_int(args, "ino"), _int(args, "offset"), data, time_ns=now)
+            ino = _int(args, "ino")
+            written = volume.write(ino, _int(args, "offset"), data, time_ns=now)
+            return _with_file_attr(volume, args, "written", written, ino)
         case "fs.fsync":
             volume.getattr(_int(args, "ino"))
             return {}  # acknowledged writes are already committed to the journal
@@ -300,11 +339,12 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
             volume.removexattr(_int(args, "ino"), _name(args), time_ns=now)
             return {}
         case "fs.fallocate":
-            return _fallocate(volume, args, now)
+            _fallocate(volume, args, now)
+            return _attrs_of(volume, args, attr=_int(args, "ino"))
         case "fs.lseek":
             return volume.seek(_int(args, "ino"), _int(args, "offset"), _seek_whence(args))
         case "fs.copy_file_range":
-            return volume.copy_range(
+            copied = volume.copy_range(
                 _int(args, "ino_in"),
                 _int(args, "off_in"),
                 _int(args, "ino_out"),
@@ -312,6 +352,7 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
                 _int(args, "length"),
                 time_ns=now,
             )
+            return _with_file_attr(volume, args, "copied", copied, _int(args, "ino_out"))
         case "fs.access":
             volume.getattr(_int(args, "ino"))
             return {}  # permissions are checked by the kernel (default_permissions)
@@ -416,7 +457,7 @@ def _mknod(volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
         attr = volume.mknod(
             parent, name, kind, mode & 0o7777, _int(args, "rdev"), uid=uid, gid=gid, time_ns=now
         )
-    return _entry(volume, attr)
+    return _entry_with_parent(volume, args, attr, parent)
 
 
 def _create(volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
@@ -436,7 +477,7 @@ def _create(volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
         attr = volume.lookup(parent, name)
         if attr.kind == Kind.DIR:
             raise IsADirectory("is a directory", name=name) from None
-    return _entry(volume, attr)
+    return _entry_with_parent(volume, args, attr, parent)
 
 
 def _statfs(volume: Volume) -> dict[str, int]:

@@ -30,6 +30,14 @@ should equal the measured cost of an eventfd wake-up (`calibrate_spin`):
 spinning for as long as a wake-up would cost keeps the wasted CPU within a
 factor of two of the best choice made with hindsight.  The spin runs in C
 with the GIL released but does hold up the trio run loop for that long.
+Calibrating takes tens of milliseconds (200 cross-CPU round trips), too
+much for every mount's bridge process, so `cached_spin_ns` remembers the
+result in the runtime directory (SPIN_CACHE_NAME: "v1 <boot id> <ns>",
+replaced atomically, 0644) and later processes of the same boot read it.
+The file is a hint, never trusted: whoever wrote it, a value is clamped
+to [MIN_SPIN_NS, MAX_SPIN_NS]; a missing, malformed, oversized, non-regular
+or other-boot file means calibrating again, and a runtime directory we
+cannot write only means the next process calibrates too.
 
 Callers: the anchor creates rings and passes their fds; daemon shards
 consume requests with `receive_view` (trio; the message is decoded before
@@ -48,6 +56,7 @@ import math
 import mmap
 import os
 import select
+import stat
 import sys
 import threading
 import time
@@ -68,8 +77,11 @@ __all__ = [
     "MIN_SPIN_NS",
     "Ring",
     "RingPair",
+    "SPIN_CACHE_NAME",
+    "cached_spin_ns",
     "calibrate_spin",
     "default_spin_ns",
+    "parse_spin_cache",
 ]
 
 DEFAULT_CAPACITY = 1 << 20
@@ -79,6 +91,10 @@ MAX_CAPACITY: int = lib.RING_MAX_CAPACITY
 # would only take more CPU from the agents.
 MAX_SPIN_NS = 200_000
 MIN_SPIN_NS = 1_000
+SPIN_CACHE_NAME = "spin-ns"  # in the runtime directory; see cached_spin_ns
+_SPIN_CACHE_VERSION = "v1"
+_SPIN_CACHE_MOST = 128  # bytes read: the file is one short line
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 _alloc_uncleared = ffi.new_allocator(should_clear_after_alloc=False)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -416,3 +432,81 @@ def calibrate_spin(rounds: int = 200) -> int:
 def default_spin_ns() -> int:
     """This process's spin budget, calibrated on first use."""
     return calibrate_spin()
+
+
+def _boot_id() -> str:
+    """This boot's id (the kernel's random boot_id), "" where there is none."""
+    try:
+        with open(_BOOT_ID, "rb") as source:
+            return source.read(64).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+
+
+def parse_spin_cache(data: bytes, boot_id: str) -> int | None:
+    """The spin budget a cache file's bytes hold, clamped to [MIN_SPIN_NS, MAX_SPIN_NS];
+    None when they are not one well-formed line of this boot ("v1 <boot id> <ns>")."""
+    try:
+        fields = data.decode("ascii").split()
+    except UnicodeDecodeError:
+        return None
+    if len(fields) != 3 or fields[0] != _SPIN_CACHE_VERSION or fields[1] != boot_id:
+        return None
+    if not boot_id or not fields[2].isdigit() or len(fields[2]) > 12:
+        return None
+    return min(MAX_SPIN_NS, max(MIN_SPIN_NS, int(fields[2])))
+
+
+def _read_spin_cache(path: str, boot_id: str) -> int | None:
+    # O_NONBLOCK: a FIFO planted in the directory must not hang the reader.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return parse_spin_cache(os.read(fd, _SPIN_CACHE_MOST + 1)[:_SPIN_CACHE_MOST], boot_id)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _write_spin_cache(path: str, boot_id: str, spin_ns: int) -> None:
+    temp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    try:
+        fd = os.open(
+            temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )
+    except OSError:
+        return  # not ours to write (an agent's bridge), or no directory: calibrate next time
+    try:
+        with os.fdopen(fd, "wb") as out:
+            os.fchmod(fd, 0o644)  # whatever the umask: agents' bridges read it too (no secret)
+            out.write(f"{_SPIN_CACHE_VERSION} {boot_id} {spin_ns}\n".encode("ascii"))
+        os.replace(temp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+
+
+def cached_spin_ns(directory: str | os.PathLike[str]) -> int:
+    """This host's spin budget, calibrated once per boot and runtime directory.
+
+    Reads SPIN_CACHE_NAME in `directory` (a runtime directory); when it is
+    missing or unusable, calibrates (`calibrate_spin`) and writes it for the
+    next process.  0 on a single usable CPU, as calibrate_spin, without
+    touching the file; otherwise always within [MIN_SPIN_NS, MAX_SPIN_NS].
+    """
+    if len(os.sched_getaffinity(0)) < 2:
+        return 0
+    path = os.path.join(os.fspath(directory), SPIN_CACHE_NAME)
+    boot_id = _boot_id()
+    remembered = _read_spin_cache(path, boot_id) if boot_id else None
+    if remembered is not None:
+        return remembered
+    measured = min(MAX_SPIN_NS, max(MIN_SPIN_NS, calibrate_spin()))
+    if boot_id:
+        _write_spin_cache(path, boot_id, measured)
+    return measured
