@@ -1,6 +1,6 @@
 """Submit latency per durability scope, and remote first reads, on the namespace testbed.
 
-Brings up a private three-host testbed (deploy/testbed, under its own
+Brings up a private four-host testbed (deploy/testbed, under its own
 $SLATES_TESTBED_NAME and $SLATES_TESTBED_DIR; root), makes a green on h1
 and, from an AsyncClient on h2 (so every request crosses the fleet links
 over QUIC to h1), runs `--rounds` submissions of one small file at each
@@ -9,7 +9,11 @@ journals before it replies) and `host` (f+1 = 2 holders outside h1, i.e.
 h2 and h3, hold the version: the owner's link exports it and ships it).
 Prints p50/p90/max per scope.  Then it writes a `--mib` MiB file on h1,
 submits it, and reads it from h2 in 8 MiB pieces (the SDK's read size):
-the remote first-read throughput through the links.  Always runs `down`.
+the remote first-read throughput through the links.  Then the same read
+from a work volume made on another host (`create_work(..., at="here")`):
+on h2, which holds the version (pieces from its own holder copy), and on
+h4, which holds nothing (pieces fetched from h2 and h3 over QUIC, checked
+and stored on h4).  Always runs `down`.
 
     python bench/fleet_bench.py [--rounds 20] [--mib 32]
 """
@@ -17,6 +21,7 @@ the remote first-read throughput through the links.  Always runs `down`.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -66,12 +71,17 @@ async def _submits(runtime: Path, green: str, rounds: int, durability: str | Non
     return samples
 
 
-async def _first_read(runtime: Path, green: str, size: int) -> float:
+async def _first_read(runtime: Path, volume: str, size: int, *, here: bool = False) -> float:
+    """Seconds to read /big.bin of `volume` (a green, or with `here` a new work volume
+    of it made on this host) in PIECE reads."""
     async with slates.AsyncClient(runtime_dir=runtime) as client:
+        if here:
+            name = f"remote-{uuid.uuid4().hex[:6]}"
+            volume = (await client.create_work(volume, name, at="here"))["id"]
         started = time.perf_counter()
         got = 0
         while got < size:
-            got += len(await client.read(green, "/big.bin", offset=got, size=PIECE))
+            got += len(await client.read(volume, "/big.bin", offset=got, size=PIECE))
         return time.perf_counter() - started
 
 
@@ -88,8 +98,8 @@ def main() -> None:
     state = Path(tempfile.mkdtemp(prefix="sfbench-", dir="/tmp"))
     env = {**os.environ, "SLATES_TESTBED_NAME": "sfb", "SLATES_TESTBED_DIR": str(state)}
     try:
-        _bed(env, "up", "3")
-        runtime = {h: state / h / "runtime" for h in ("h1", "h2", "h3")}
+        _bed(env, "up", "4")
+        runtime = {h: state / h / "runtime" for h in ("h1", "h2", "h3", "h4")}
         for host in runtime.values():
             while not (host / "fleet-link.json").exists():
                 time.sleep(0.2)
@@ -97,7 +107,7 @@ def main() -> None:
             local = h1.create_green("bench")
         green = f"{local}@h1"
         time.sleep(3)  # the green registered with all three holders (one poll or two)
-        print(f"testbed: 3 hosts; green {green}; submits from h2 of one 256-byte file")
+        print(f"testbed: 4 hosts; green {green}; submits from h2 of one 256-byte file")
         for durability in (None, "restart", "host"):
             samples = trio.run(_submits, runtime["h2"], green, args.rounds, durability)
             print(f"  durability {durability or 'none':8} {_profile(samples)}")
@@ -118,6 +128,15 @@ def main() -> None:
         seconds = trio.run(_first_read, runtime["h2"], green, size)
         rate = args.mib / seconds
         print(f"  first read of {args.mib} MiB from h2: {seconds:.2f} s, {rate:.1f} MiB/s")
+        for name, where in (("h2", "holds the version"), ("h4", "holds nothing")):
+            seconds = trio.run(
+                functools.partial(_first_read, runtime[name], green, size, here=True)
+            )
+            rate = args.mib / seconds
+            print(
+                f"  first read of {args.mib} MiB from a work volume made on {name} ({where}): "
+                f"{seconds:.2f} s, {rate:.1f} MiB/s"
+            )
     finally:
         _bed(env, "down")
 

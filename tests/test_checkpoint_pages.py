@@ -23,8 +23,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from slates.errors import CapacityExhausted, VerificationFailed
 from slates.node import shard as shard_module
 from slates.node.checkpoints import PIECE_BYTES, Checkpoints, PageArea
+from slates.node.events import ReplySaved
 from slates.node.journal import PAGE, Segment, create_segment
 from slates.node.memory import segment_bytes
+from slates.node.protocol import Hello, pack, unpack
 from tests.test_shard_recovery import call
 
 MiB = 1 << 20
@@ -211,6 +213,80 @@ def test_published_copies_are_freed_before_they_crowd_out_new_pages() -> None:
         restarted = segments.shard()
         assert call(restarted, 6, "read", volume=vid, path="/a") == b"A" * (5 * MiB)
         assert call(restarted, 7, "read", volume=vid, path="/d") == b"d" * (4 * MiB)
+    finally:
+        segments.close()
+
+
+UNIT = 16 * PAGE  # small sizes: the page area's free map works in pages
+
+
+def _stale_area(segments: Segments) -> tuple[shard_module.Shard, str]:
+    """A shard whose page area holds /a twice: its published copy (stale, freed by the
+    next checkpoint) and its rewritten one; about 2 units free, too much to be due."""
+    shard = segments.shard()
+    vid = call(shard, 1, "volume.create", name="v")["id"]
+    call(shard, 2, "write", volume=vid, path="/a", data=b"a" * (5 * UNIT))
+    shard.checkpoint()
+    call(shard, 3, "write", volume=vid, path="/a", data=b"A" * (5 * UNIT))  # all copied
+    assert shard.checkpoints.pages.stale_bytes == 5 * UNIT
+    assert UNIT < shard.checkpoints.area.free_bytes < 4 * UNIT
+    assert not shard._checkpoint_due()  # no trigger before the request runs
+    return shard, vid
+
+
+def _reply(shard: shard_module.Shard, seq: int, op: str, **args: Any) -> dict[str, Any]:
+    answered = shard.handle(
+        Hello("c", False), pack({"seq": seq, "ack": seq - 1, "op": op, "args": args})
+    )
+    assert isinstance(answered, bytes)
+    reply: dict[str, Any] = unpack(answered)
+    return reply
+
+
+def test_a_write_refused_for_stale_copies_checkpoints_and_runs_again() -> None:
+    segments = Segments(checkpoint_bytes=PAGE + 12 * UNIT)
+    try:
+        shard, vid = _stale_area(segments)
+        generation = shard.journal.generation
+        # Larger than the free space, smaller than it once the stale copy of /a goes.
+        call(shard, 4, "write", volume=vid, path="/d", data=b"d" * (4 * UNIT))
+        assert shard.journal.generation == generation + 1  # the checkpoint it took
+        assert shard.checkpoints.pages.stale_bytes == 0
+        # Its one saved reply is the success: the withdrawn refusal was never journaled.
+        assert shard.service.results["c"][4]["ok"]
+        saved = [
+            event
+            for payload in shard.journal.entries()
+            for event in shard_module.unpack_events(payload)
+            if isinstance(event, ReplySaved) and event.seq == 4
+        ]
+        assert [event.reply["ok"] for event in saved] == [True]
+        assert call(shard, 5, "read", volume=vid, path="/d") == b"d" * (4 * UNIT)
+        restarted = segments.shard()
+        assert call(restarted, 6, "read", volume=vid, path="/a") == b"A" * (5 * UNIT)
+        assert call(restarted, 7, "read", volume=vid, path="/d") == b"d" * (4 * UNIT)
+    finally:
+        segments.close()
+
+
+def test_a_write_too_large_even_after_the_checkpoint_is_refused_once() -> None:
+    segments = Segments(checkpoint_bytes=PAGE + 12 * UNIT)
+    try:
+        shard, vid = _stale_area(segments)
+        generation = shard.journal.generation
+        refused = _reply(shard, 4, "write", volume=vid, path="/e", data=b"e" * (9 * UNIT))
+        assert not refused["ok"] and refused["error"]["code"] == "CapacityExhausted"
+        assert shard.journal.generation == generation + 1  # one checkpoint, one retry
+        free = shard.checkpoints.area.free_bytes
+        # The refusal is the saved reply: the client's retry gets it and runs nothing.
+        assert _reply(shard, 4, "write", volume=vid, path="/e", data=b"e" * (9 * UNIT)) == refused
+        assert shard.journal.generation == generation + 1
+        assert shard.checkpoints.area.free_bytes == free
+        restarted = segments.shard()  # the saved refusal is journaled, as any reply
+        assert _reply(restarted, 4, "write", volume=vid, path="/e", data=b"") == refused
+        # Its file was made before the refusal, as by any refused write, and stays empty.
+        assert call(restarted, 5, "read", volume=vid, path="/e") == b""
+        assert call(restarted, 6, "read", volume=vid, path="/a") == b"A" * (5 * UNIT)
     finally:
         segments.close()
 

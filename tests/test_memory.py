@@ -54,7 +54,10 @@ def test_a_sparse_segment_holds_only_the_pages_written_and_gives_them_back() -> 
 def test_process_memory_sees_heap_and_shared_pages() -> None:
     before = process_memory(os.getpid())
     assert before["rss"] >= before["anon"] > 0
-    heap = bytearray(b"y" * (64 * MiB))
+    # Private anonymous pages of our own, not malloc's: a heap allocation may reuse
+    # pages earlier tests already made resident.
+    heap = mmap.mmap(-1, 64 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    heap[:] = b"y" * (64 * MiB)
     grown = process_memory(os.getpid())
     assert grown["anon"] - before["anon"] >= 60 * MiB
     fd = create_segment("test-shared", 64 * MiB)
@@ -67,7 +70,7 @@ def test_process_memory_sees_heap_and_shared_pages() -> None:
     finally:
         shared.close()
         os.close(fd)
-    del heap
+        heap.close()
 
 
 def test_process_memory_of_a_gone_process_is_not_found() -> None:

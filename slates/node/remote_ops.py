@@ -26,7 +26,7 @@ used only inside those Ios); the link finds holders and the owner
   kernel's parallel read-ahead) is waited for, not asked for again
   (`inflight`).  A second volume of the same version shares the pieces
   already here.  The pieces are kept while a volume or snapshot
-  uses the base (`kept_chunks`, which the service's collection adds).
+  uses the base (`kept_chunks`, which the service's collection hook adds).
   This is why requests are retried whole: a base read happens before an
   operation publishes anything (a write reads its partial pages first).
 - `submit`: the volume's changes against its base tree (`changes`: only
@@ -60,8 +60,8 @@ used only inside those Ios); the link finds holders and the owner
   step of the job, so they commit together.  Because a replay opens every
   base the journal names, the tree and pieces of those bases stay
   (`journaled`, until a checkpoint without them is published:
-  ShardService.checkpoint_document), and a fleet host collects no garbage
-  while it replays (ShardService.collect_garbage).
+  ShardService.checkpoint_document), and a replay collects once, after
+  the whole journal (ShardState.replay), never between its events.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ remote base (slates.node.remote_base, opened through the same `open_base`
 for its `fleet:` key); any op on such a volume whose base read lacks
 content becomes a job that fetches it off the loop and runs the op again;
 `submit` of one goes to the green's owner; the collection keeps what such
-bases fetched (`collect_garbage`).
+bases fetched (`kept_chunks`, ShardState's hook).
 
 Request identity is (client, seq).  A retry of a saved request returns the
 saved reply; a retry at or below the client's acknowledgement gets
@@ -47,7 +47,7 @@ from slates.base.live import LiveDirectory
 from slates.core.checkpoint import PageStore
 from slates.core.host import Host
 from slates.core.records import Kind
-from slates.core.volume import BaseReader, Capacity, Volume, held
+from slates.core.volume import BaseReader, Capacity, Volume
 from slates.errors import (
     AccessDenied,
     AlreadyExists,
@@ -90,7 +90,7 @@ from slates.node.principals import OPERATOR, Principal, authorize
 from slates.node.protocol import Request, error_reply, ok_reply, shard_of
 from slates.node.remote_base import RemoteBase
 from slates.node.remote_ops import LinkCalls, RemoteOps
-from slates.node.state import GARBAGE_BATCH_BYTES, ShardState
+from slates.node.state import ShardState
 
 __all__ = ["ShardService", "Event", "MAX_UNACKED", "READ_ONLY_OPS", "shard_of"]
 
@@ -156,8 +156,6 @@ class ShardService(ShardState):
         self._client = ""
         self._principal = OPERATOR  # who asked the request being run
         self._seq = 0  # the seq of the request being run (with _client: its identity)
-        self._replaying = False
-        self._collection_owed = False  # a collection skipped during replay (collect_garbage)
 
     # -- requests -------------------------------------------------------------
 
@@ -475,34 +473,12 @@ class ShardService(ShardState):
 
         return document, on_published
 
-    def replay(self, events: Iterable[Event]) -> None:
-        self._replaying = True
-        try:
-            super().replay(events)
-        finally:
-            self._replaying = False
-
-    def collect_garbage(self, *, force: bool = False) -> None:
-        """ShardState's collection, keeping the pieces remote bases fetched: no extent
-        names them (their extents are the base's), yet the volumes read them.
-
-        On a fleet host, none runs while the journal replays (the shard replays it
-        batch by batch): a later batch may open a remote base whose tree record and
-        pieces are in the store but named by nothing replayed yet.  The first
-        collection after the replay is forced instead."""
-        if self._replaying and self.remote.link.on_fleet():
-            self._collection_owed = True
-            return
-        force, self._collection_owed = force or self._collection_owed, False
-        if not self.remote.readers:
-            super().collect_garbage(force=force)
-            return
-        if not self.garbage_bytes or (self.garbage_bytes < GARBAGE_BATCH_BYTES and not force):
-            return
-        self.garbage_bytes = 0
-        found = held(self.volumes.values(), [s.root for s in self.snapshots.values()])
-        self.host.collect([found.chunk_ids, self.remote.kept_chunks()])
-        self.host.recount_snapshot_metadata(found.shared_metadata)
+    def kept_chunks(self) -> Iterable[bytes]:
+        """The pieces remote bases fetched, which a collection keeps: no extent names
+        them (their extents are the base's), yet the volumes read them.  A replay
+        collects once, after the whole journal (ShardState.replay), so a remote base
+        a later event opens again still finds its tree record and pieces."""
+        return self.remote.kept_chunks()
 
     def _base_read_warmer(self, volume: Volume, args: dict[str, Any]) -> Callable[[], None] | None:
         """For a large read of a file that is wholly its base file's: something that reads

@@ -3,17 +3,22 @@
 Theory of operation: the anchor starts this process with four inherited
 fds: the journal, checkpoint and arena segments (anchor-owned memfds) and
 the shard's listening unix socket.  On start the shard recovers: it loads
-the published checkpoint, replays the journal generation after it, and
-only then accepts connections.  For each request it asks the service for
+the published checkpoint, replays the journal generation after it (one
+stream of events: one garbage collection, after the last), and only then
+accepts connections.  For each request it asks the service for
 (reply, events), appends the events to the journal as one frame (the
-commit), and then replies.  If the journal cannot take a frame even after
-a checkpoint, the shard exits without replying: the anchor restarts it,
-recovery drops the uncommitted change, and the client's retry runs again.
-Never reply to what is not committed.  A request that fails with an
-exception that is no SlatesError (a bug) is answered by the service as
-VerificationFailed "internal error" with the exception as its `reason`;
-the driver runs the service as LoggedService, which also writes the
-traceback to stderr (the anchor's log), so the bug can be found.
+commit), and then replies.  A request refused CapacityExhausted while
+the page area holds stale copies (published pieces since copied on
+write) runs again once, after a checkpoint that frees them (`_run`): its
+refusal is withdrawn unsaved, so only the second answer is kept.  If
+the journal cannot take a frame even after a checkpoint, the shard exits
+without replying: the anchor restarts it, recovery drops the uncommitted
+change, and the client's retry runs again.  Never reply to what is not
+committed.  A request that fails with an exception that is no
+SlatesError (a bug) is answered by the service as VerificationFailed
+"internal error" with the exception as its `reason`; the driver runs the
+service as LoggedService, which also writes the traceback to stderr (the
+anchor's log), so the bug can be found.
 
 Connections: a hello on the socket names the client; the peer's uid must
 be ours or root (SO_PEERCRED).  With rings, the shard passes a ring pair's
@@ -115,6 +120,9 @@ LARGE_RECORD = 64 << 10
 # Journal pages a shard keeps across checkpoints, at most (and at most 1/16 of its host).
 JOURNAL_WARM_BYTES = CHECKPOINT_EVERY_BYTES
 MAX_CONNECTIONS = 256
+# Ops that, refused for room, may have applied records first (a path write or edit
+# creates its file) and run again whole: the second run finds the file and writes it.
+RERUN_AFTER_RECORDS = frozenset({"write", "edit"})
 # Requests that make or delete volumes: the names file is written after them.
 NAMING_OPS = frozenset({"volume.create", "volume.delete", "green.create", "work.create", "clone"})
 MAX_HELLO = 64 << 10  # a hello is small; nothing bigger is read before it
@@ -237,10 +245,10 @@ class Shard:
             self.checkpoints.loaded()  # its free map: what the loaded buffers do not use
         replayed = 0
         if self.journal.generation == generation:
-            for payload in self.journal.entries():
-                events = unpack_events(payload)
-                self.service.replay(events)
-                replayed += len(events)
+            # One stream, frame after frame: the replay collects once, after its end.
+            replayed = self.service.replay(
+                event for payload in self.journal.entries() for event in unpack_events(payload)
+            )
         elif self.journal.generation == generation - 1:
             self.journal.start_generation(generation)  # the checkpoint already covers it
         else:
@@ -338,13 +346,40 @@ class Shard:
             )
             if request.op not in READ_ONLY_OPS:
                 return pack(error_reply(request.seq, full))
-        reply, events = self.service.handle(
-            hello.client, request, time.time_ns(), Principal(hello.principal)
-        )
-        self.commit(events)
+        reply = self._run(hello, request)
         if isinstance(reply, Job):
             return reply
         return self._answered(request, reply)
+
+    def _run(self, hello: Hello, request: Request) -> dict[str, Any] | Job:
+        """Run one request and commit its events.  One refused for room that stale page
+        copies hold runs again once after a checkpoint (which frees them), if what it
+        did before its refusal is nothing, or what its second run finds done."""
+        principal = Principal(hello.principal)
+        reply, events = self.service.handle(hello.client, request, time.time_ns(), principal)
+        if self._room_after_checkpoint(reply):
+            kept = self.service.withdraw_refusal(
+                hello.client, request.seq, events, records=request.op in RERUN_AFTER_RECORDS
+            )
+            if kept is not None:
+                self.commit(kept)  # its records too: the state holds them
+                applied = self.service.applied
+                self.checkpoint()  # one that does not fit is skipped: the run fails again
+                reply, events = self.service.handle(
+                    hello.client, request, time.time_ns(), principal
+                )
+                self.service.applied[:0] = applied  # the mounts hear of both runs' records
+        self.commit(events)
+        return reply
+
+    def _room_after_checkpoint(self, reply: dict[str, Any] | Job) -> bool:
+        """Whether `reply` refused a request for room a checkpoint would make: the page
+        area or the host was full while stale copies (pieces copied on write, whose
+        published originals only the next checkpoint frees) wait."""
+        if isinstance(reply, Job) or self.checkpoints.pages.stale_bytes == 0:
+            return False
+        error = reply.get("error")
+        return isinstance(error, dict) and error.get("code") == "CapacityExhausted"
 
     async def answer(self, hello: Hello, message: bytes | memoryview) -> bytes:
         """The packed reply to one request; a long request's job runs to its end here,

@@ -10,7 +10,11 @@ journaled; records and VolumeReset are applied as they happen, so only
 replay applies them here.  `replay` rebuilds the state from committed
 events after a crash (an event that cannot be applied now fails only its
 volume); `checkpoint`/`restore` save and load the whole state, so replay
-reads only the events after the last checkpoint.
+reads only the events after the last checkpoint.  `collect_garbage` frees
+the chunks no volume or snapshot names, keeping what the `kept_chunks`
+hook names (the service's remote bases); `withdraw_refusal` forgets a
+refused request's saved reply so the driver may run it again
+(slates.node.shard).
 
 ShardService (slates.node.service) is the subclass that turns requests
 into events; this module does no I/O of its own (the base reader it is
@@ -164,14 +168,21 @@ class ShardState:
 
     # -- events -----------------------------------------------------------------
 
-    def replay(self, events: Iterable[Event]) -> None:
-        """Apply committed events (recovery); replies are not produced again.
+    def replay(self, events: Iterable[Event]) -> int:
+        """Apply committed events (recovery); replies are not produced again.  Returns
+        how many were applied.
 
         Replay never stops the shard: an event that cannot be applied now (its
         base directory was deleted, say) fails only its volume, which then
-        answers every request with that error until it is deleted.
+        answers every request with that error until it is deleted.  Pass the
+        whole journal after the checkpoint as one stream (the shard does): the
+        collection runs once, after its last event, since an earlier one could
+        free content that a later event names again (a chunk stored before the
+        event that uses it).
         """
+        replayed = 0
         for event in events:
+            replayed += 1
             try:
                 self._apply_event(event, live=False)
             except SlatesError as exc:
@@ -183,6 +194,31 @@ class ShardState:
                 self.failed[event.vid] = exc
                 self._saw_id(event.vid)
         self.collect_garbage(force=True)
+        return replayed
+
+    def withdraw_refusal(
+        self, client: str, seq: int, events: list[Event], *, records: bool = False
+    ) -> list[Event] | None:
+        """Forget the saved reply of a refused request, so it may run again: returns its
+        other events, still to commit (the client's binding or acknowledgement; with
+        `records`, the records it applied before its refusal too), or None, withdrawing
+        nothing, when it did more than that."""
+        rest = [
+            e
+            for e in events
+            if not (isinstance(e, ReplySaved) and (e.client, e.seq) == (client, seq))
+        ]
+        allowed = (
+            (ClientBound, RepliesAcked, RecordApplied) if records else (ClientBound, RepliesAcked)
+        )
+        refused = len(events) - len(rest) == 1
+        if not refused or not all(isinstance(e, allowed) for e in rest):
+            return None
+        saved = self.results[client]
+        del saved[seq]
+        if not saved:
+            del self.results[client]
+        return rest
 
     def _base_of(self, event: VolumeMade) -> BaseReader:
         """The base a new volume reads: the one its request opened (`opening`), else the
@@ -317,6 +353,12 @@ class ShardState:
             return
         fresh.number_from(*old.numbering)
         fresh.adopt_handles(old, set(event.remade))
+        # Its key names the base it reads now: a remote volume moved onto a version
+        # reads that version's (as the live move set it, slates.node.remote_ops).  A
+        # reset over the same directory keeps the key as its request spelled it.
+        root = getattr(fresh.base, "root", None)
+        if isinstance(root, str) and root != getattr(old.base, "root", None):
+            self.base_keys[event.vid] = root
         self._retire(old)
         self.volumes[event.vid] = fresh
         self._watch(event.vid, fresh)
@@ -344,8 +386,13 @@ class ShardState:
             return
         self.garbage_bytes = 0
         found = held(self.volumes.values(), [s.root for s in self.snapshots.values()])
-        self.host.collect([found.chunk_ids])
+        self.host.collect([found.chunk_ids, set(self.kept_chunks())])
         self.host.recount_snapshot_metadata(found.shared_metadata)
+
+    def kept_chunks(self) -> Iterable[bytes]:
+        """Chunks a collection keeps though no extent names them (a subclass's: the
+        service keeps what remote bases fetched); called once per collection."""
+        return ()
 
     # -- views ----------------------------------------------------------------
 
