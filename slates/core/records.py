@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 
 from slates.errors import InvalidArgument
+from slates.packing import bin_header
 
 __all__ = [
     "Kind",
@@ -442,15 +443,6 @@ def _ext_header(length: int) -> bytes:
     return b"\xc9" + length.to_bytes(4, "big") + bytes((_EXT_RECORD,))
 
 
-def _bin_header(length: int) -> bytes:
-    """msgpack's header of a bin of `length` bytes (bin 8/16/32, as msgpack picks)."""
-    if length <= 0xFF:
-        return bytes((0xC4, length))
-    if length <= 0xFFFF:
-        return b"\xc5" + length.to_bytes(2, "big")
-    return b"\xc6" + length.to_bytes(4, "big")
-
-
 def _pack_large(record: Record, values: list[Any]) -> bytes:
     """_pack(record) for a record with a large bytes field: the fields are packed around
     it, and the result joined once."""
@@ -462,7 +454,7 @@ def _pack_large(record: Record, values: list[Any]) -> bytes:
     packer.pack(type(record).__name__)
     for value in values:
         if type(value) is bytes and len(value) >= _LARGE_FIELD:
-            parts += (packer.bytes(), _bin_header(len(value)), value)
+            parts += (packer.bytes(), bin_header(len(value)), value)
             packer.reset()
         else:
             packer.pack(value)

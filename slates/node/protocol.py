@@ -29,6 +29,7 @@ from typing import Any
 import msgpack
 
 from slates.errors import CapacityExhausted, InvalidArgument, SlatesError, error_from_wire
+from slates.packing import bin_header
 
 __all__ = [
     "shard_of",
@@ -68,15 +69,6 @@ _LARGE_BYTES = 64 << 10
 _LARGE_DEPTH = 3
 
 
-def _bin_header(length: int) -> bytes:
-    """msgpack's header of a bin of `length` bytes (bin 8/16/32, as msgpack picks)."""
-    if length <= 0xFF:
-        return bytes((0xC4, length))
-    if length <= 0xFFFF:
-        return b"\xc5" + length.to_bytes(2, "big")
-    return b"\xc6" + length.to_bytes(4, "big")
-
-
 def pack_parts(message: dict[str, Any]) -> list[bytes]:
     """`pack(message)` in parts whose join is that message: large bytes values (up to
     _LARGE_DEPTH containers deep) are parts of their own, not copied (the journal
@@ -97,7 +89,7 @@ def pack_parts(message: dict[str, Any]) -> list[bytes]:
         if not large(value):
             packer.pack(value)
         elif type(value) is bytes:
-            parts.extend((packer.bytes(), _bin_header(len(value)), value))
+            parts.extend((packer.bytes(), bin_header(len(value)), value))
             packer.reset()
         elif type(value) is dict:
             packer.pack_map_header(len(value))
