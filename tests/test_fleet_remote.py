@@ -143,6 +143,11 @@ def test_work_create_on_h2_makes_the_volume_on_h2(bed: Bed) -> None:
         source = os.stat(bed.source / "README")
     assert (readme["uid"], readme["gid"]) == (README_UID, README_GID), readme
     assert readme["mtime_ns"] == README_MTIME and readme["mode"] & 0o7777 == source.st_mode & 0o7777
+    # --at owner keeps the old way: the volume is made on h1 and named <id>@h1 from here.
+    owned = bed.json("h2", "work", "create", bed.green, "w2-owner", "--at", "owner")
+    assert owned["id"].endswith("@h1") and "remote" not in owned, owned
+    assert "w2-owner" in {v["name"] for v in bed.json("h1", "volume", "list")}
+    assert "w2-owner" not in {v["name"] for v in bed.json("h2", "volume", "list")}
 
 
 def test_reads_on_h4_fetch_from_the_holders_and_only_once(bed: Bed) -> None:
