@@ -9,8 +9,11 @@ processes, SIGKILL.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
+
+import pytest
 
 from slates import Client
 from slates.node.anchor import MAX_RESTARTS
@@ -40,6 +43,13 @@ def test_a_shard_that_keeps_dying_is_left_down_and_the_other_goes_on(
     shard = service.state()["shards"][1]  # type: ignore[index]
     assert shard["state"] == "failed", shard
     assert service.process.poll() is None  # the anchor is still there
+    # Its socket went with it: a client is refused at once, never left waiting for a
+    # hello nobody answers.
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock,
+        pytest.raises((FileNotFoundError, ConnectionRefusedError)),
+    ):
+        sock.connect(str(shard["socket"]))
     os.kill(service.shard_pids()[0], 0)  # and so is shard 0
     with Client(service.runtime) as client:
         for name, vid in on_zero.items():

@@ -124,7 +124,7 @@ class _Mount:
 @dataclass
 class _ShardSlot:
     index: int
-    fds: tuple[int, int, int, int]  # journal, checkpoint, arena, listening socket
+    fds: tuple[int, int, int, int]  # journal, checkpoint, arena, listening socket (-1: closed)
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     recent: deque[float] = field(default_factory=deque)
@@ -243,6 +243,17 @@ class Anchor:
         ]  # fmt: skip
         slot.process = subprocess.Popen(command, pass_fds=(*slot.fds, self.pool_fd))
 
+    def _close_listener(self, slot: _ShardSlot) -> None:
+        """A shard left down takes its socket with it: a client's connect is refused at
+        once (and one waiting in the backlog is reset) instead of saying a hello that
+        nobody will answer."""
+        journal, checkpoint, arena, listen = slot.fds
+        if listen < 0:
+            return
+        os.close(listen)
+        self.runtime.shard_socket(slot.index).unlink(missing_ok=True)
+        slot.fds = (journal, checkpoint, arena, -1)
+
     def _publish(self) -> None:
         shards = tuple(
             ShardInfo(
@@ -292,6 +303,7 @@ class Anchor:
                 _log(f"shard {slot.index} keeps dying; it is left down, the others go on")
                 slot.failed = True
                 slot.process = None
+                self._close_listener(slot)
                 self._publish()
                 continue
             slot.restarts += 1
@@ -697,7 +709,8 @@ class Anchor:
                     slot.process.wait()
             self.runtime.shard_socket(slot.index).unlink(missing_ok=True)
             for fd in slot.fds:
-                os.close(fd)
+                if fd >= 0:  # a failed shard's listener is closed already
+                    os.close(fd)
         if self.pool is not None:
             self.pool.close()
             os.close(self.pool_fd)
