@@ -4,8 +4,10 @@ Brings up a private four-host testbed (deploy/testbed, under its own
 $SLATES_TESTBED_NAME and $SLATES_TESTBED_DIR; root), makes a green on h1
 and, from an AsyncClient on h2 (so every request crosses the fleet links
 over QUIC to h1), runs `--rounds` submissions of one small file at each
-durability: none (the shard's reply), `restart` (the same: the shard
-journals before it replies) and `host` (f+1 = 2 holders outside h1, i.e.
+durability, first from a work volume made on h1 (`at="owner"`: each request
+forwarded), then from one made on h2 (`at="here"`: its changes travel to
+h1's link in one request at submit): none (the shard's reply), `restart`
+(the same: the shard journals before it replies) and `host` (f+1 = 2 holders outside h1, i.e.
 h2 and h3, hold the version: the owner's link exports it and ships it).
 Prints p50/p90/max per scope.  Then it writes a `--mib` MiB file on h1,
 submits it, and reads it from h2 in 8 MiB pieces (the SDK's read size):
@@ -57,10 +59,13 @@ def _profile(samples: list[float]) -> str:
     )
 
 
-async def _submits(runtime: Path, green: str, rounds: int, durability: str | None) -> list[float]:
+async def _submits(
+    runtime: Path, green: str, rounds: int, durability: str | None, at: str
+) -> list[float]:
     samples: list[float] = []
     async with slates.AsyncClient(runtime_dir=runtime) as client:
-        work = (await client.create_work(green, f"bench-{uuid.uuid4().hex[:6]}"))["id"]
+        name = f"bench-{uuid.uuid4().hex[:6]}"
+        work = (await client.create_work(green, name, at=at))["id"]
         for n in range(rounds):
             await client.write(work, f"/{durability}-{n}.txt", os.urandom(256))
             started = time.perf_counter()
@@ -108,9 +113,11 @@ def main() -> None:
         green = f"{local}@h1"
         time.sleep(3)  # the green registered with all three holders (one poll or two)
         print(f"testbed: 4 hosts; green {green}; submits from h2 of one 256-byte file")
-        for durability in (None, "restart", "host"):
-            samples = trio.run(_submits, runtime["h2"], green, args.rounds, durability)
-            print(f"  durability {durability or 'none':8} {_profile(samples)}")
+        for place, where in (("owner", "on h1, reached through the links"), ("here", "on h2")):
+            print(f"  work volume {where}:")
+            for durability in (None, "restart", "host"):
+                samples = trio.run(_submits, runtime["h2"], green, args.rounds, durability, place)
+                print(f"    durability {durability or 'none':8} {_profile(samples)}")
         size = args.mib << 20
         with slates.Client(runtime["h1"]) as h1:
             work = h1.create_work(local, "big")["id"]

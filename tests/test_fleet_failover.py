@@ -51,7 +51,7 @@ import slates
 from slates.errors import EpochFenced, NotOwner, SlatesError
 from slates.fleet.link_client import call_link, link_socket
 from slates.fleet.link_rules import fleet_name
-from tests.testbed_bed import HOSTS, PYTHON, TestbedCalls, wait_for
+from tests.testbed_bed import HOSTS, PYTHON, TestbedCalls, print_anchor_logs, wait_for
 
 FAILOVER_SECONDS = 30.0  # the bound
 
@@ -86,11 +86,7 @@ def bed() -> Iterator[Bed]:
             wait_for(f"the link on {host}", functools.partial(running.link_state, host))
         yield running
     finally:
-        for host in HOSTS:  # what each link did, for a failure's report
-            log = state_dir / host / "logs" / "anchor.log"
-            if log.exists():
-                lines = log.read_text(errors="replace").splitlines()
-                print(f"--- {host}", *[ln for ln in lines if "fleet link" in ln][-30:], sep="\n")
+        print_anchor_logs(state_dir, HOSTS, last=30, words=("fleet link",))
         down = running.call("down")
         assert down.returncode == 0, down.stderr
 

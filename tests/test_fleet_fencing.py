@@ -36,7 +36,7 @@ import slates
 from slates.errors import EpochFenced, NotOwner, SlatesError
 from slates.fleet.link_client import call_link, link_socket
 from slates.fleet.link_rules import fleet_name
-from tests.testbed_bed import HOSTS, TestbedCalls, wait_for
+from tests.testbed_bed import HOSTS, TestbedCalls, print_anchor_logs, wait_for
 
 TAKEOVER_SECONDS = 90.0  # a deadline for the state to be reached, not a timing assertion
 
@@ -69,12 +69,7 @@ def bed() -> Iterator[Bed]:
             wait_for(f"the link on {host}", state.exists)
         yield running
     finally:
-        for host in HOSTS:
-            log = state_dir / host / "logs" / "anchor.log"
-            if log.exists():
-                lines = log.read_text(errors="replace").splitlines()
-                wanted = [ln for ln in lines if "fleet link" in ln or "fence" in ln]
-                print(f"--- {host}", *wanted[-30:], sep="\n")
+        print_anchor_logs(state_dir, HOSTS, last=30, words=("fleet link", "fence"))
         running.call("heal")
         down = running.call("down")
         assert down.returncode == 0, down.stderr

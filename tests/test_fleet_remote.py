@@ -47,7 +47,7 @@ from slates.errors import VerificationFailed
 from slates.fleet.link_client import call_link, link_socket
 from slates.sdk.client import Client
 from slates_cli.commands import CONFLICT_EXIT
-from tests.testbed_bed import PYTHON, TestbedCalls, wait_for
+from tests.testbed_bed import PYTHON, TestbedCalls, print_anchor_logs, wait_for
 
 HOSTS = ("h1", "h2", "h3", "h4")
 SEED = int.from_bytes(os.urandom(4), "big")
@@ -118,11 +118,7 @@ def bed() -> Iterator[Bed]:
         wait_for("version 0 on h1, h2 and h3 (not h4)", holders_hold)
         yield running
     finally:
-        for host in HOSTS:
-            log = state_dir / host / "logs" / "anchor.log"
-            if log.exists():
-                lines = log.read_text(errors="replace").splitlines()
-                print(f"--- {host}", *lines[-20:], sep="\n")
+        print_anchor_logs(state_dir, HOSTS, last=20)
         down = running.call("down")
         shutil.rmtree(state_dir, ignore_errors=True)
         assert down.returncode == 0, down.stderr

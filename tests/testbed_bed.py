@@ -12,7 +12,7 @@ import dataclasses
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -25,6 +25,19 @@ HOSTS = ("h1", "h2", "h3")
 COMMAND_SECONDS = 180
 WAIT_SECONDS = 60.0
 T = TypeVar("T")
+
+
+def print_anchor_logs(
+    state_dir: Path, hosts: Iterable[str], *, last: int, words: tuple[str, ...] = ()
+) -> None:
+    """The tail of each host's anchor log (only lines with one of `words`, if any are
+    given), for a failed test's report."""
+    for host in hosts:
+        log = state_dir / host / "logs" / "anchor.log"
+        if log.exists():
+            lines = log.read_text(errors="replace").splitlines()
+            wanted = [ln for ln in lines if not words or any(w in ln for w in words)]
+            print(f"--- {host}", *wanted[-last:], sep="\n")
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float = WAIT_SECONDS) -> T:
