@@ -321,16 +321,24 @@ def test_slow_delays_a_hosts_link_and_traffic_still_flows(bed: Bed) -> None:
     assert_link_restored(bed)
 
 
-def test_partition_cuts_a_host_off_and_heal_restores_it(bed: Bed) -> None:
-    bed.ok("partition", "h3")
+def partitioned(bed: Bed) -> None:
+    """What `partition h3` must do: h3 reaches nobody and nobody reaches it."""
     assert not bed.etcd_reachable("h1", "h3")
     assert not bed.etcd_reachable("h3", "h2")
     assert bed.etcd_reachable("h3", "h3")  # its own address still answers inside
-    assert bed.etcd_health("h1", "h2")  # h1 and h2 are a quorum
+    # h1 and h2 are a quorum (once they elected a leader, if h3 was the leader)
+    wait_for("etcd's quorum of h1 and h2", lambda: bed.etcd_health("h1", "h2"), 60)
     assert bed.host("h3")["daemons"]["etcd"]["alive"]
     assert bed.status()["partitions"] == [["h3"]]
     wait_for("serf on h1 to see h3 cut off", lambda: bed.serf_members("h1")["h3"] != "alive", 90)
-    bed.ok("heal")
+
+
+def test_partition_cuts_a_host_off_and_heal_restores_it(bed: Bed) -> None:
+    bed.ok("partition", "h3")
+    try:
+        partitioned(bed)
+    finally:
+        bed.call("heal")  # a failure here must not leave the next tests a cut-off host
     assert bed.status()["partitions"] == []
     assert bed.etcd_reachable("h1", "h3")
     assert bed.etcd_reachable("h3", "h2")
@@ -352,7 +360,8 @@ def test_kill_leaves_nothing_of_the_host_and_serf_declares_it_failed(bed: Bed) -
         lambda: bed.serf_members("h1").get("h2") == "failed",
         SERF_VERDICT_SECONDS,
     )
-    assert bed.etcd_health("h3", "h1")  # two of three members: still a quorum
+    # two of three members: still a quorum (once they elected a leader, if h2 was it)
+    wait_for("etcd's quorum of h1 and h3", lambda: bed.etcd_health("h3", "h1"), 60)
     again = bed.call("kill", "h2")
     assert again.returncode == 2 and "down already" in again.stderr
 
@@ -363,7 +372,7 @@ def test_start_boots_a_killed_host_again(bed: Bed) -> None:
     assert described["boots"] == 2
     assert all(d["alive"] for d in described["daemons"].values())
     assert bed.serf_members("h1") == {"h1": "alive", "h2": "alive", "h3": "alive"}
-    assert bed.etcd_health("h1", "h2")
+    wait_for("etcd on h2 answers h1 again", lambda: bed.etcd_health("h1", "h2"), 60)
     status = json.loads(bed.ok("run", "h2", "slates", "status", "--json"))
     assert status["anchor_pid"] == described["daemons"]["anchor"]["pid"]
     assert bed.call("start", "h2").returncode == 2  # already running
