@@ -283,6 +283,14 @@ def _volume_facts(title: str, info: dict[str, Any]) -> Table:
     )
 
 
+def _show_volume(title: str, info: dict[str, Any], as_json: bool) -> None:
+    """A volume a command made or described: its JSON, or its facts under `title`."""
+    if as_json:
+        _echo_json(info)
+    else:
+        _print(_volume_facts(title, info))
+
+
 def _volume_table(volumes: list[dict[str, Any]]) -> Table:
     from rich.table import Table
     from rich.text import Text
@@ -513,10 +521,7 @@ def volume_show(volume_ref: str, runtime_dir: str | None, as_json: bool) -> None
     """One volume (by id or unique name): quota and counters."""
     with _client(runtime_dir) as client:
         info: dict[str, Any] = client.show_volume(client.resolve(volume_ref))
-    if as_json:
-        _echo_json(info)
-    else:
-        _print(_volume_facts(f"Volume {info['id']}", info))
+    _show_volume(f"Volume {info['id']}", info, as_json)
 
 
 @volume.command("delete")
@@ -630,10 +635,7 @@ def clone(
         info: dict[str, Any] = client.clone(
             snapshot_id, name, bounded=bounded_bytes, dynamic=dynamic_bytes
         )
-    if as_json:
-        _echo_json(info)
-    else:
-        _print(_volume_facts(f"Cloned {snapshot_id} as volume {info['id']}", info))
+    _show_volume(f"Cloned {snapshot_id} as volume {info['id']}", info, as_json)
 
 
 # -- files -------------------------------------------------------------------
@@ -887,10 +889,7 @@ def green_create(
                 keep=keep,
             )
         info: dict[str, Any] = client.show_volume(gid)
-    if as_json:
-        _echo_json(info)
-    else:
-        _print(_volume_facts(f"Created green volume {gid}", info))
+    _show_volume(f"Created green volume {gid}", info, as_json)
 
 
 @click.group()
@@ -931,10 +930,7 @@ def work_create(
         info: dict[str, Any] = client.create_work(
             client.resolve(green_ref, "green"), name, version=version, at=at
         )
-    if as_json:
-        _echo_json(info)
-    else:
-        _print(_volume_facts(f"Created work volume {info['id']}", info))
+    _show_volume(f"Created work volume {info['id']}", info, as_json)
 
 
 @click.command()

@@ -27,7 +27,7 @@ import click
 
 from slates.errors import SlatesError
 
-from .commands import register
+from .commands import register, runtime_dir_option
 from .fleet import fleet as fleet_group
 
 if TYPE_CHECKING:
@@ -346,12 +346,7 @@ def print_workspace_demo(observed: dict[str, Any], console: Console) -> None:
 
 
 @main.command()
-@click.option(
-    "--runtime-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Where the service lives (default: $SLATES_RUNTIME_DIR, /run/slates for root).",
-)
+@runtime_dir_option
 @click.option(
     "--shards",
     type=click.IntRange(1, 256),
@@ -414,12 +409,7 @@ def anchor(
 
 
 @main.command("mcp")
-@click.option(
-    "--runtime-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Where the service lives (default: $SLATES_RUNTIME_DIR, /run/slates for root).",
-)
+@runtime_dir_option
 @click.option(
     "--token-file",
     type=click.Path(dir_okay=False, exists=True),
