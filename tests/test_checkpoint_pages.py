@@ -20,7 +20,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from slates.errors import CapacityExhausted, VerificationFailed
+from slates.errors import CapacityExhausted, InvalidArgument, VerificationFailed
 from slates.node import shard as shard_module
 from slates.node.checkpoints import PIECE_BYTES, Checkpoints, PageArea
 from slates.node.events import ReplySaved
@@ -444,6 +444,7 @@ class FreeMap(RuleBasedStateMachine):
         super().__init__()
         self.area = PageArea(PAGE, 65 * PAGE)
         self.free = set(range(1, 65))
+        self.warm: set[int] = set()  # the free pages given back warm
         self.taken: list[tuple[int, int]] = []
 
     @rule(pages=st.integers(1, 20))
@@ -454,11 +455,16 @@ class FreeMap(RuleBasedStateMachine):
             return
         got = self.area.take(pages * PAGE)
         assert sum(length for _at, length in got) == pages * PAGE
+        taken: set[int] = set()
         for at, length in got:
             span = set(range(at // PAGE, (at + length) // PAGE))
             assert span <= self.free
+            taken |= span
             self.free -= span
             self.taken.append((at, length))
+        # Warm space first: cold pages only once every warm one is taken.
+        assert taken <= self.warm or self.warm <= taken
+        self.warm -= taken
 
     @rule(pages=st.integers(1, 20))
     def take_whole(self, pages: int) -> None:
@@ -471,21 +477,46 @@ class FreeMap(RuleBasedStateMachine):
         span = set(range(at // PAGE, at // PAGE + pages))
         assert span <= self.free
         self.free -= span
+        self.warm -= span
         self.taken.append((at, pages * PAGE))
 
-    @rule(data=st.data())
-    def give(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), warm=st.booleans())
+    def give(self, data: st.DataObject, warm: bool) -> None:
         if not self.taken:
             return
         at, length = self.taken.pop(data.draw(st.integers(0, len(self.taken) - 1)))
-        self.area.give(at, length)
-        self.free |= set(range(at // PAGE, (at + length) // PAGE))
+        self.area.give(at, length, warm=warm)
+        span = set(range(at // PAGE, (at + length) // PAGE))
+        self.free |= span
+        if warm:
+            self.warm |= span
+
+    @rule()
+    def cool(self) -> None:
+        cooled = {p for lo, hi in self.area.cool() for p in range(lo // PAGE, hi // PAGE)}
+        assert cooled == self.warm
+        self.warm = set()
+
+    @rule(pages=st.integers(0, 3))
+    def give_free_space_again(self, pages: int) -> None:
+        """Freeing what is free (warm or cold) is refused, the map unchanged."""
+        if not self.free:
+            return
+        page = sorted(self.free)[pages % len(self.free)]
+        before = self.area.gaps()
+        with pytest.raises(InvalidArgument):
+            self.area.give(page * PAGE, PAGE, warm=bool(pages % 2))
+        assert self.area.gaps() == before
 
     @invariant()
     def gaps_are_the_free_pages_joined(self) -> None:
         gaps = self.area.gaps()
         assert {p for lo, hi in gaps for p in range(lo // PAGE, hi // PAGE)} == self.free
         assert all(a[1] < b[0] for a, b in itertools.pairwise(gaps))
+        warm = self.area.warm_gaps()
+        assert {p for lo, hi in warm for p in range(lo // PAGE, hi // PAGE)} == self.warm
+        assert self.area.free_bytes == len(self.free) * PAGE
+        assert self.area.warm_bytes == len(self.warm) * PAGE
 
 
 TestFreeMap = FreeMap.TestCase

@@ -55,7 +55,9 @@ __all__ = [
     "RENAME_EXCHANGE",
     "XATTR_CREATE",
     "XATTR_REPLACE",
+    "data_span",
     "encode",
+    "encoded_parts",
     "decode",
 ]
 
@@ -425,8 +427,8 @@ _ALLOWED: dict[str, tuple[type, ...]] = {
 }
 
 
-# A write or splice with data this large is packed by `_pack_large`: the same bytes
-# as _pack, with the data copied once instead of three times.
+# A write or splice with data this large is packed by `_large_parts`: the same bytes
+# as _pack, with the data copied once (by the join, or by whoever copies the parts).
 _LARGE_FIELD = 64 << 10
 
 
@@ -443,9 +445,9 @@ def _ext_header(length: int) -> bytes:
     return b"\xc9" + length.to_bytes(4, "big") + bytes((_EXT_RECORD,))
 
 
-def _pack_large(record: Record, values: list[Any]) -> bytes:
-    """_pack(record) for a record with a large bytes field: the fields are packed around
-    it, and the result joined once."""
+def _large_parts(record: Record, values: list[Any]) -> list[bytes]:
+    """_pack(record) for a record with a large bytes field, in parts: the fields are
+    packed around it, and the field itself is a part (not copied)."""
     packer = msgpack.Packer(
         default=_default, use_bin_type=True, unicode_errors="surrogateescape", autoreset=False
     )
@@ -459,14 +461,35 @@ def _pack_large(record: Record, values: list[Any]) -> bytes:
         else:
             packer.pack(value)
     parts.append(packer.bytes())
-    return b"".join([_ext_header(sum(map(len, parts))), *parts])
+    return [_ext_header(sum(map(len, parts))), *parts]
+
+
+def encoded_parts(record: Record) -> list[bytes]:
+    """`encode(record)` in parts whose join it is: a Write's or Splice's large data is a
+    part of its own, the very `record.data` object (a caller copying the parts copies
+    it once; one that knows its checksum need not read it again)."""
+    if isinstance(record, Write | Splice) and len(record.data) >= _LARGE_FIELD:
+        values = [getattr(record, f.name) for f in dataclasses.fields(record)]
+        return _large_parts(record, values)
+    return [_pack(record)]
+
+
+def data_span(record: Record) -> tuple[int, int] | None:
+    """Where a Write's or Splice's large data lies in `encode(record)`, [start, end),
+    and None for any other record (its data small, or none)."""
+    parts = encoded_parts(record)
+    data = getattr(record, "data", None)
+    start = 0
+    for part in parts:
+        if len(parts) > 1 and part is data:
+            return start, start + len(part)
+        start += len(part)
+    return None
 
 
 def encode(record: Record) -> bytes:
-    if isinstance(record, Write | Splice) and len(record.data) >= _LARGE_FIELD:
-        values = [getattr(record, f.name) for f in dataclasses.fields(record)]
-        return _pack_large(record, values)
-    return _pack(record)
+    parts = encoded_parts(record)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def decode(payload: bytes) -> Record:

@@ -18,7 +18,8 @@ written since the last checkpoint).  Nothing is copied.  Then the
 document is written into fresh space, its slot filled, and it is
 published by one aligned 4-byte store of the active index.  Only then
 are the old document's ranges, and the pieces only the old checkpoint
-referenced, freed and their pages given back (MADV_REMOVE); the pieces
+referenced, freed and their pages given back (MADV_REMOVE), or kept warm
+for the next taker within a bound (page_area's docstring); the pieces
 the new one names are frozen (copy on write from now on).  A checkpoint
 whose document does not fit raises CapacityExhausted, frees what it took,
 and the published one stays as it was.  A checkpoint's cost is thus its
@@ -295,5 +296,4 @@ class Checkpoints:
         return ranges
 
     def _free(self, start: int, size: int) -> None:
-        self.area.give(start, size)
-        self.segment.release(start, start + size)
+        self.pages.give_back(start, size)  # warm within the pages' bound, else given back

@@ -19,6 +19,12 @@ that these segments hold, and its replacement maps the same segments.
 - Arena: sealed chunks (slates.node.arena), their space reused and their
   pages returned to the host when they are deleted.
 
+A frame's CRC is each byte's CRC computed once: a part handed in as
+`Checksummed` (bytes whose CRC32 the caller already computed, the page
+area's while it copied a write's data into place) joins the frame's CRC by
+zlib's crc32_combine (`combine_crc`, libz through ctypes) instead of being
+read again.  Without libz's symbol, every part is read (crc32) as before.
+
 Every segment has a fixed virtual size (memfds are sparse: untouched
 pages cost nothing) and filling one is a visible CapacityExhausted, never
 unbounded growth.  Bytes read back are checked (magic, bounds, CRC):
@@ -28,18 +34,50 @@ damage raises VerificationFailed.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import functools
 import mmap
 import os
 import struct
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from slates.errors import CapacityExhausted, VerificationFailed
 
-__all__ = ["PAGE", "Segment", "Journal", "create_segment"]
+__all__ = ["PAGE", "Checksummed", "Segment", "Journal", "combine_crc", "create_segment"]
 
 PAGE = _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+@functools.cache
+def _crc32_combine() -> Callable[[int, int, int], int] | None:
+    name = ctypes.util.find_library("z")
+    try:
+        function = ctypes.CDLL(name or "libz.so.1").crc32_combine
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_long]
+    function.restype = ctypes.c_ulong
+    combine: Callable[[int, int, int], int] = function
+    return combine
+
+
+def combine_crc(first: int, second: int, second_length: int) -> int | None:
+    """The CRC32 of A + B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine,
+    a pure C function); None where libz does not have it."""
+    function = _crc32_combine()
+    return None if function is None else function(first, second, second_length) & 0xFFFFFFFF
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Checksummed:
+    """A frame part whose CRC32 the caller computed already (from the same bytes)."""
+
+    data: bytes | memoryview
+    crc: int
 
 
 def create_segment(name: str, size: int) -> int:
@@ -111,10 +149,11 @@ class Journal:
     def room(self) -> int:
         return self.segment.size - _JOURNAL_START - self.committed
 
-    def append(self, payload: bytes | Sequence[bytes]) -> None:
-        """Commit one frame: `payload`, or the join of its parts (each copied once)."""
+    def append(self, payload: bytes | Sequence[bytes | memoryview | Checksummed]) -> None:
+        """Commit one frame: `payload`, or the join of its parts (each copied once; a
+        Checksummed part's CRC taken as given, not computed again)."""
         parts = [payload] if isinstance(payload, bytes) else payload
-        length = sum(len(part) for part in parts)
+        length = sum(len(p.data if isinstance(p, Checksummed) else p) for p in parts)
         committed = self.committed
         need = _FRAME.size + length
         if need > self.room:
@@ -124,9 +163,15 @@ class Journal:
         crc = 0
         cursor = at + _FRAME.size
         for part in parts:
-            mm[cursor : cursor + len(part)] = part
-            crc = zlib.crc32(part, crc)
-            cursor += len(part)
+            if isinstance(part, Checksummed):
+                data = part.data
+                joined = combine_crc(crc, part.crc, len(data))
+                crc = zlib.crc32(data, crc) if joined is None else joined
+            else:
+                data = part
+                crc = zlib.crc32(data, crc)
+            mm[cursor : cursor + len(data)] = data
+            cursor += len(data)
         _FRAME.pack_into(mm, at, length, crc)
         # The commit point: one aligned 8-byte store.
         struct.pack_into("<Q", mm, 24, committed + need)

@@ -2,7 +2,7 @@
 
 Theory of operation: counters are honest when they come from what the
 kernel says a process and its segments hold, not from what the code meant
-to allocate.  Three readers and one rule live here:
+to allocate.  Three readers, the heap's two knobs and one rule live here:
 
 - `segment_bytes(fd)`: the pages a memfd holds now (fstat st_blocks * 512).
   A memfd is sparse: its size is virtual, untouched or punched pages
@@ -16,7 +16,11 @@ to allocate.  Three readers and one rule live here:
   process's anonymous resident memory: the Python objects and indexes
   that are not in a segment; a shard's private page buffers are in its
   checkpoint segment, slates.node.page_area).  Shared pages are counted
-  once, by the segment, never again in a process's rss.
+  once, by the segment, never again in a process's rss.  Freed space a
+  shard keeps resident for reuse (the page area's warm space, the
+  journal's pages past its frames, each bounded) is allocated, so it is in
+  these figures; the shard's status also names it ("warm", a part of the
+  journal's and checkpoints' figures, not added to the total twice).
 - `trim_heap()`: give the heap's free pages back to the kernel (glibc's
   malloc_trim(0)).  Once freed, malloc keeps pages for reuse (request
   buffers, metadata of deleted volumes) and the process's anonymous RSS
@@ -24,6 +28,20 @@ to allocate.  Three readers and one rule live here:
   of 130 MiB after the agents' volumes were deleted came down to 63 MiB).
   The shard calls it after requests that freed much, and before it reports
   its memory.
+- `keep_heap()`: between those trims, glibc by default gives the heap's
+  top back as soon as a little of it is free (its trim threshold adapts to
+  about twice the largest freed buffer: 2 MiB for 1 MiB writes), so every
+  1 MiB request's buffers (the decoded data, its encoded record) fault
+  fresh zeroed pages in again (measured: 22,000 faults, 88 MiB, per 64 MiB
+  file written).  The shard fixes the thresholds at start: buffers up to
+  HEAP_MMAP_BYTES come from the heap, and up to HEAP_KEEP_BYTES of its free
+  top stay resident for the next request, until the next trim_heap.  They
+  are anonymous resident memory, so the heap figure counts them.  For the
+  same reason the shard trims only once more than HEAP_KEEP_BYTES of the
+  heap is free (`heap_free_bytes`): a trim after every deleted file gave
+  back the request buffers' free space, which the next file's requests
+  faulted in again (a 64 MiB file written and removed, over and over:
+  16,000 heap faults a round).
 - `default_segment_sizes(capacity, shards, ram_bytes)`: the virtual sizes
   the anchor gives each shard's segments.  The rule:
     * the pool the host may fill is C = min(capacity, RAM);
@@ -61,7 +79,11 @@ from slates.errors import InvalidArgument, NotFound
 __all__ = [
     "JOURNAL_BYTES",
     "SegmentSizes",
+    "HEAP_KEEP_BYTES",
+    "HEAP_MMAP_BYTES",
     "default_segment_sizes",
+    "heap_free_bytes",
+    "keep_heap",
     "process_memory",
     "ram_bytes",
     "segment_bytes",
@@ -127,6 +149,72 @@ def _malloc_trim() -> Callable[[int], int] | None:
     function.restype = ctypes.c_int
     trim: Callable[[int], int] = function
     return trim
+
+
+# glibc mallopt parameters (malloc.h) and the shard's values for them (keep_heap).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+HEAP_KEEP_BYTES = 64 << 20  # free heap top kept resident between trims, at most
+HEAP_MMAP_BYTES = 8 << 20  # larger buffers are mapped apart (and unmapped when freed)
+
+
+@functools.cache
+def _mallopt() -> Callable[[int, int], int] | None:
+    try:
+        function = ctypes.CDLL(None).mallopt
+    except AttributeError:  # not glibc
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int]
+    function.restype = ctypes.c_int
+    mallopt: Callable[[int, int], int] = function
+    return mallopt
+
+
+def keep_heap() -> bool:
+    """Fix malloc's thresholds (see the module docstring); whether it took (False off glibc)."""
+    function = _mallopt()
+    if function is None:
+        return False
+    return bool(function(_M_MMAP_THRESHOLD, HEAP_MMAP_BYTES)) and bool(
+        function(_M_TRIM_THRESHOLD, HEAP_KEEP_BYTES)
+    )
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+@functools.cache
+def _mallinfo2() -> Callable[[], _Mallinfo2] | None:
+    try:
+        function = ctypes.CDLL(None).mallinfo2  # glibc 2.33
+    except AttributeError:
+        return None
+    function.argtypes = []
+    function.restype = _Mallinfo2
+    mallinfo2: Callable[[], _Mallinfo2] = function
+    return mallinfo2
+
+
+def heap_free_bytes() -> int | None:
+    """Bytes malloc holds free for reuse in the main arena (mallinfo2's fordblks; it
+    walks the free lists, so not for every request), or None off glibc."""
+    function = _mallinfo2()
+    return None if function is None else int(function().fordblks)
 
 
 def trim_heap() -> bool:

@@ -17,12 +17,22 @@ copying them.  This module owns that area:
   place, then the new ones written): copy on write per piece.  Bytes at or
   past `frozen` (a piece nobody published, or a published piece's tail
   grown since) are written in place.  `crc` is the CRC32 of the piece's
-  bytes, or None once they changed (the next checkpoint computes it).
+  bytes, or None once they changed in place (the next checkpoint computes
+  it).  An append keeps it: the CRC of the bytes it copies is computed as
+  it copies them and combined into the piece's (crc32_combine), and the
+  CRC of all the data, remembered for the write's journal frame
+  (`remember_crc`, `take_crcs`), so an appended byte is read for a CRC
+  once, not once for the journal and again at the checkpoint.
 - `SegmentPages`: the shard host's PageMemory (slates.core.host).  It
   knows the pieces live buffers use (`_live`) and the ranges the published
   checkpoint references (`_published`, offset -> capacity): a range is free
-  once neither holds it, and its pages then go back (MADV_REMOVE).  Before
-  the published checkpoint is read (`ready`), nothing may be taken.
+  once neither holds it.  Freed space stays warm (its pages resident, taken
+  before cold space: a write into it faults no fresh zeroed page in) while
+  the warm space is within `warm_limit` (the shard sets at most WARM_BYTES);
+  past that its pages go back (MADV_REMOVE).  Warm pages are allocated
+  pages of the segment, so the shard's memory figures (segment_bytes) and
+  the host's overhead count them.  Before the published checkpoint is read
+  (`ready`), nothing may be taken.
 
 The checkpoint side: `place` (a buffer's pieces as the document names
 them, CRCs computed for those written since), `publish` (the new
@@ -41,15 +51,25 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import zlib
 from collections.abc import Sequence
 
 from slates.core.host import Bytes, PageBuffer
 from slates.errors import CapacityExhausted, InvalidArgument, VerificationFailed
 from slates.node.journal import PAGE as _PAGE
-from slates.node.journal import Segment
+from slates.node.journal import Segment, combine_crc
 
-__all__ = ["PIECE_BYTES", "PageArea", "Piece", "SegmentBuffer", "SegmentPages"]
+__all__ = [
+    "MAX_REMEMBERED_CRCS",
+    "PIECE_BYTES",
+    "REMEMBERED_CRC_BYTES",
+    "WARM_BYTES",
+    "PageArea",
+    "Piece",
+    "SegmentBuffer",
+    "SegmentPages",
+]
 
 # A buffer's bytes are held in pieces of at most this: a copy on write copies at most
 # one piece per end of the range written.
@@ -58,90 +78,196 @@ PIECE_BYTES = 1 << 20
 _POPULATE_BYTES = 64 << 10
 # A buffer this large that grows is given room beyond what it needs (see extend).
 _GROWING_BYTES = 64 << 10
+# Freed page space a shard keeps resident for reuse, at most (SegmentPages.warm_limit;
+# the shard also caps it at a sixteenth of its host): a new file's pages taken from it
+# fault no fresh zeroed page in.  Its pages count in the segment's allocated bytes.
+WARM_BYTES = 64 << 20
+# Data whose CRC an extend remembers for its journal frame: at least this large, and at
+# most this many between two commits (one request writes one data).
+REMEMBERED_CRC_BYTES = 64 << 10
+MAX_REMEMBERED_CRCS = 16
 
 
 def _pages(nbytes: int) -> int:
     return -(-nbytes // _PAGE) * _PAGE
 
 
-class PageArea:
-    """A free map over [start, end): sorted disjoint free ranges, page-aligned."""
+class _Ranges:
+    """Sorted disjoint page-aligned ranges, [start, end) each, and their total."""
 
-    def __init__(self, start: int, end: int, *, free: bool = True) -> None:
-        self.start, self.end = start, end
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        if free and end > start:
-            self._starts.append(start)
-            self._ends.append(end)
+    __slots__ = ("ends", "starts", "total")
 
-    @property
-    def free_bytes(self) -> int:
-        return sum(self._ends) - sum(self._starts)
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.total = 0
 
-    def gaps(self) -> list[tuple[int, int]]:
-        return list(zip(self._starts, self._ends, strict=True))
+    def overlaps(self, start: int, end: int) -> bool:
+        at = bisect.bisect_right(self.starts, start)
+        return (at > 0 and self.ends[at - 1] > start) or (
+            at < len(self.starts) and self.starts[at] < end
+        )
 
     def take(self, nbytes: int) -> list[tuple[int, int]]:
-        """`nbytes` (a page multiple) of free space as (offset, length) ranges, lowest
-        first; CapacityExhausted (taking nothing) when the area has less free."""
+        """Up to `nbytes` as (offset, length) ranges, lowest first (less if it has less)."""
         got: list[tuple[int, int]] = []
         need, used = nbytes, 0
-        while need and used < len(self._starts):
-            start, end = self._starts[used], self._ends[used]
+        while need and used < len(self.starts):
+            start, end = self.starts[used], self.ends[used]
             length = min(end - start, need)
             got.append((start, length))
             need -= length
             if start + length == end:
                 used += 1
             else:
-                self._starts[used] = start + length
-        del self._starts[:used]
-        del self._ends[:used]
-        if need:
-            for start, length in got:
-                self.give(start, length)
-            raise CapacityExhausted(
-                "the checkpoint segment's page area is full", at_least=nbytes, room=nbytes - need
+                self.starts[used] = start + length
+        del self.starts[:used]
+        del self.ends[:used]
+        self.total -= nbytes - need
+        return got
+
+    def take_whole(self, nbytes: int) -> int | None:
+        for index, (start, end) in enumerate(zip(self.starts, self.ends, strict=True)):
+            if end - start >= nbytes:
+                if end - start == nbytes:
+                    del self.starts[index]
+                    del self.ends[index]
+                else:
+                    self.starts[index] = start + nbytes
+                self.total -= nbytes
+                return start
+        return None
+
+    def carve(self, start: int, end: int) -> None:
+        """Remove [start, end) from the ranges, wherever they cover it."""
+        at = max(0, bisect.bisect_right(self.starts, start) - 1)
+        while at < len(self.starts) and self.starts[at] < end:
+            lo, hi = self.starts[at], self.ends[at]
+            if hi <= start:
+                at += 1
+                continue
+            cut_lo, cut_hi = max(lo, start), min(hi, end)
+            self.total -= cut_hi - cut_lo
+            keep = [(a, b) for a, b in ((lo, cut_lo), (cut_hi, hi)) if b > a]
+            self.starts[at : at + 1] = [a for a, _b in keep]
+            self.ends[at : at + 1] = [b for _a, b in keep]
+            at += len(keep)
+
+    def give(self, start: int, end: int) -> None:
+        """Add [start, end) (not overlapping any range), joining its neighbours."""
+        at = bisect.bisect_right(self.starts, start)
+        joins_left = at > 0 and self.ends[at - 1] == start
+        joins_right = at < len(self.starts) and self.starts[at] == end
+        if joins_left and joins_right:
+            self.ends[at - 1] = self.ends[at]
+            del self.starts[at]
+            del self.ends[at]
+        elif joins_left:
+            self.ends[at - 1] = end
+        elif joins_right:
+            self.starts[at] = start
+        else:
+            self.starts.insert(at, start)
+            self.ends.insert(at, end)
+        self.total += end - start
+
+
+class PageArea:
+    """A free map over [start, end): sorted disjoint free ranges, page-aligned.
+
+    Free space is of two kinds: cold (its pages were given back: they read as
+    zeros and cost nothing until touched) and warm (freed, its pages kept
+    resident for reuse, `give(warm=True)`).  Taking prefers warm space: a copy
+    into it faults no fresh zeroed page in.  Which freed space stays warm, and
+    how much, is the caller's choice (SegmentPages bounds it)."""
+
+    def __init__(self, start: int, end: int, *, free: bool = True) -> None:
+        self.start, self.end = start, end
+        self._cold = _Ranges()
+        self._warm = _Ranges()
+        if free and end > start:
+            self._cold.give(start, end)
+
+    @property
+    def free_bytes(self) -> int:
+        return self._cold.total + self._warm.total
+
+    @property
+    def warm_bytes(self) -> int:
+        """Free bytes whose pages are resident (the host counts them: they are held)."""
+        return self._warm.total
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """Every free range, warm or cold, neighbours joined, lowest first."""
+        both = sorted(
+            itertools.chain(
+                zip(self._cold.starts, self._cold.ends, strict=True),
+                zip(self._warm.starts, self._warm.ends, strict=True),
             )
+        )
+        out: list[tuple[int, int]] = []
+        for start, end in both:
+            if out and out[-1][1] == start:
+                out[-1] = (out[-1][0], end)
+            else:
+                out.append((start, end))
+        return out
+
+    def warm_gaps(self) -> list[tuple[int, int]]:
+        return list(zip(self._warm.starts, self._warm.ends, strict=True))
+
+    def take(self, nbytes: int) -> list[tuple[int, int]]:
+        """`nbytes` (a page multiple) of free space as (offset, length) ranges, warm
+        first, then cold, each lowest first; CapacityExhausted (taking nothing) when
+        the area has less free."""
+        if nbytes > self.free_bytes:
+            raise CapacityExhausted(
+                "the checkpoint segment's page area is full",
+                at_least=nbytes,
+                room=self.free_bytes,
+            )
+        got = self._warm.take(nbytes)
+        taken = sum(length for _at, length in got)
+        if taken < nbytes:
+            got += self._cold.take(nbytes - taken)
         return got
 
     def take_whole(self, nbytes: int) -> int:
-        """One free range of `nbytes` (a page multiple), first fit; CapacityExhausted if none."""
-        for index, (start, end) in enumerate(zip(self._starts, self._ends, strict=True)):
-            if end - start >= nbytes:
-                if end - start == nbytes:
-                    del self._starts[index]
-                    del self._ends[index]
-                else:
-                    self._starts[index] = start + nbytes
-                return start
-        raise CapacityExhausted("the checkpoint document does not fit its segment", at_least=nbytes)
+        """One free range of `nbytes` (a page multiple): first fit in warm space, else in
+        cold, else across neighbouring warm and cold ranges; CapacityExhausted if none."""
+        at = self._warm.take_whole(nbytes)
+        if at is None:
+            at = self._cold.take_whole(nbytes)
+        if at is None:
+            at = next((lo for lo, hi in self.gaps() if hi - lo >= nbytes), None)
+            if at is None:
+                raise CapacityExhausted(
+                    "the checkpoint document does not fit its segment", at_least=nbytes
+                )
+            self._warm.carve(at, at + nbytes)
+            self._cold.carve(at, at + nbytes)
+        return at
 
-    def give(self, start: int, length: int) -> None:
-        """Free [start, start+length), joining its free neighbours."""
+    def give(self, start: int, length: int, *, warm: bool = False) -> None:
+        """Free [start, start+length), cold (its pages already given back) or warm (its
+        pages resident), joining its free neighbours of the same kind."""
         end = start + length
-        at = bisect.bisect_right(self._starts, start)
         if (
             start < self.start
             or end > self.end
-            or (at and self._ends[at - 1] > start)
-            or (at < len(self._starts) and self._starts[at] < end)
+            or self._cold.overlaps(start, end)
+            or self._warm.overlaps(start, end)
         ):
             raise InvalidArgument("freeing checkpoint space that is free", start=start)
-        joins_left = at > 0 and self._ends[at - 1] == start
-        joins_right = at < len(self._starts) and self._starts[at] == end
-        if joins_left and joins_right:
-            self._ends[at - 1] = self._ends[at]
-            del self._starts[at]
-            del self._ends[at]
-        elif joins_left:
-            self._ends[at - 1] = end
-        elif joins_right:
-            self._starts[at] = start
-        else:
-            self._starts.insert(at, start)
-            self._ends.insert(at, end)
+        (self._warm if warm else self._cold).give(start, end)
+
+    def cool(self) -> list[tuple[int, int]]:
+        """Make all warm space cold; the ranges whose pages the caller now gives back."""
+        ranges = self.warm_gaps()
+        self._warm = _Ranges()
+        for start, end in ranges:
+            self._cold.give(start, end)
+        return ranges
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -260,15 +386,21 @@ class SegmentBuffer:
         pages = self._pages
         mm = pages.segment.map
         done = 0
+        # The CRC of each part copied is computed once, here: it extends its piece's
+        # CRC (the checkpoint need not read the piece again) and makes the data's,
+        # which the journal frame of this write takes as given (SegmentPages.take_crcs).
+        whole: int | None = None
         if self._pieces:
             last = self._pieces[-1]
             room = last.capacity - last.length if last.length >= last.frozen else 0
             if room:
                 done = min(room, len(view))
+                part = view[:done]
                 pages.fill(last, last.length, last.length + done)
-                mm[last.at + last.length : last.at + last.length + done] = view[:done]
+                mm[last.at + last.length : last.at + last.length + done] = part
+                whole = zlib.crc32(part)
+                last.crc = None if last.crc is None else combine_crc(last.crc, whole, done)
                 last.length += done
-                last.crc = None
                 pages.live_bytes += done
         if done < len(view):
             rest = len(view) - done
@@ -278,10 +410,18 @@ class SegmentBuffer:
             if self._pieces and self._length >= _GROWING_BYTES:
                 grow = min(PIECE_BYTES, 2 * self._pieces[-1].capacity)
             for piece in pages.take_pieces(rest, grow):
+                part = view[done : done + piece.length]
                 pages.fill(piece, 0, piece.length)
-                mm[piece.at : piece.at + piece.length] = view[done : done + piece.length]
+                mm[piece.at : piece.at + piece.length] = part
+                piece.crc = zlib.crc32(part)
+                if not done:
+                    whole = piece.crc
+                elif whole is not None:
+                    whole = combine_crc(whole, piece.crc, piece.length)
                 done += piece.length
                 self._pieces.append(piece)
+        if whole is not None:
+            pages.remember_crc(data, whole)
         self._reindex()
 
     def shrink(self, length: int) -> None:
@@ -312,9 +452,11 @@ class SegmentBuffer:
 class SegmentPages:
     """PageMemory in the checkpoint segment's page area (see the module docstring)."""
 
-    def __init__(self, segment: Segment, area: PageArea) -> None:
+    def __init__(self, segment: Segment, area: PageArea, warm_limit: int = 0) -> None:
         self.segment = segment
         self.area = area
+        # Freed space kept resident (warm) for reuse, at most: the rest's pages go back.
+        self.warm_limit = warm_limit
         self.ready = False  # the free map is known (the published checkpoint was read)
         self._live: dict[int, Piece] = {}  # area offset -> the live piece there
         self._published: dict[int, int] = {}  # area offset -> capacity, published ranges
@@ -322,6 +464,7 @@ class SegmentPages:
         self.stale_bytes = 0  # space only the published checkpoint holds (the next frees it)
         self.copied_bytes = 0  # bytes copied on write (a published piece written again)
         self.written_bytes = 0  # bytes written into fresh or private space
+        self._crcs: dict[int, tuple[bytes, int]] = {}  # see remember_crc
 
     # -- PageMemory ---------------------------------------------------------------
 
@@ -396,11 +539,43 @@ class SegmentPages:
         if piece.at in self._published:
             self.stale_bytes += self._published[piece.at]
         else:
-            self._free(piece.at, piece.capacity)
+            self.give_back(piece.at, capacity=piece.capacity)
 
-    def _free(self, at: int, capacity: int) -> None:
-        self.area.give(at, capacity)
-        self.segment.release(at, at + capacity)
+    def remember_crc(self, data: Bytes, crc: int) -> None:
+        """`crc` is the CRC32 of all of `data`'s underlying bytes object, if `data` covers
+        it whole (a write's data): kept, at most MAX_REMEMBERED_CRCS of them, for its
+        journal frame (take_crcs); smaller data is not worth remembering."""
+        base = data.obj if isinstance(data, memoryview) else data
+        if (
+            type(base) is bytes
+            and len(base) == memoryview(data).nbytes
+            and len(base) >= REMEMBERED_CRC_BYTES
+            and len(self._crcs) < MAX_REMEMBERED_CRCS
+        ):
+            self._crcs[id(base)] = (base, crc)
+
+    def take_crcs(self) -> dict[int, tuple[bytes, int]]:
+        """The CRCs remembered since the last call, id(bytes) -> (those bytes, crc32), and
+        forget them (the shard takes them at every commit)."""
+        crcs, self._crcs = self._crcs, {}
+        return crcs
+
+    def cool(self) -> int:
+        """Give the warm space's pages back to the host (it stays free, now cold): the
+        host counts them, and a request refused for room gets theirs.  The bytes cooled."""
+        ranges = self.area.cool()
+        for start, end in ranges:
+            self.segment.release(start, end)
+        return sum(end - start for start, end in ranges)
+
+    def give_back(self, at: int, capacity: int) -> None:
+        """[at, at+capacity) is free: warm (its pages kept for the next taker) while the
+        warm space stays within `warm_limit`, else cold (its pages go back now)."""
+        if self.area.warm_bytes + capacity <= self.warm_limit:
+            self.area.give(at, capacity, warm=True)
+        else:
+            self.area.give(at, capacity)
+            self.segment.release(at, at + capacity)
 
     # -- the checkpoint's side ----------------------------------------------------
 
@@ -426,7 +601,7 @@ class SegmentPages:
                 continue
             live = self._live.get(at)
             if live is None:
-                self._free(at, capacity)
+                self.give_back(at, capacity)
             else:
                 live.frozen = 0  # a buffer no checkpoint names (a reader volume's)
         for piece in placed:

@@ -10,7 +10,9 @@ accepts connections.  For each request it asks the service for
 commit), and then replies.  A request refused CapacityExhausted while
 the page area holds stale copies (published pieces since copied on
 write) runs again once, after a checkpoint that frees them (`_run`): its
-refusal is withdrawn unsaved, so only the second answer is kept.  If
+refusal is withdrawn unsaved, so only the second answer is kept; the
+same holds while freed page space is kept warm (resident, so counted
+against the host): after that checkpoint its pages go back first.  If
 the journal cannot take a frame even after a checkpoint, the shard exits
 without replying: the anchor restarts it, recovery drops the uncommitted
 change, and the client's retry runs again.  Never reply to what is not
@@ -65,6 +67,7 @@ from slates.core.records import (
     Truncate,
     Unlink,
     Write,
+    data_span,
 )
 from slates.errors import (
     AccessDenied,
@@ -78,8 +81,16 @@ from slates.node.arena import ArenaChunks
 from slates.node.checkpoints import Checkpoints
 from slates.node.events import Event, RecordApplied, from_wire, to_wire
 from slates.node.jobs import Io, Job, Outcome, Sent, Thrown
-from slates.node.journal import Journal, Segment
-from slates.node.memory import segment_bytes, shard_memory, trim_heap
+from slates.node.journal import PAGE, Checksummed, Journal, Segment
+from slates.node.memory import (
+    HEAP_KEEP_BYTES,
+    heap_free_bytes,
+    keep_heap,
+    segment_bytes,
+    shard_memory,
+    trim_heap,
+)
+from slates.node.page_area import WARM_BYTES
 from slates.node.pool import HostPool
 from slates.node.principals import Agents, Principal, authorize
 from slates.node.protocol import (
@@ -216,8 +227,10 @@ class Shard:
         self.segment_fds = (journal_fd, checkpoint_fd, arena_fd)
         # Room kept for deletions and the largest frame (a small segment keeps a quarter).
         self.journal_headroom = min(JOURNAL_HEADROOM, self.journal.segment.size // 4)
-        # Journal pages kept across checkpoints (counted against the host, so bounded by it).
+        # Journal pages kept across checkpoints, and freed page-area space kept resident
+        # for reuse (both counted against the host as segment pages, so bounded by it).
         self.journal_warm = min(JOURNAL_WARM_BYTES, capacity // 16)
+        self.checkpoints.pages.warm_limit = min(WARM_BYTES, capacity // 16)
         self.trim_mark = 0  # the most private bytes held since the heap was last trimmed
         self.events_since = 0  # events committed since the last checkpoint
         self.private_peak = 0  # the most private bytes held since the last checkpoint
@@ -256,6 +269,7 @@ class Shard:
                 f"journal generation {self.journal.generation} does not follow "
                 f"checkpoint generation {generation}"
             )
+        self.checkpoints.pages.take_crcs()  # the replayed data's: its frames are written
         self.events_since = replayed  # the journal holds them until the next checkpoint
         self.private_peak = self.host.private_bytes
         self._account_segments()
@@ -263,7 +277,13 @@ class Shard:
 
     def memory(self) -> dict[str, int]:
         """What this shard really holds: arena, journal and checkpoint pages, and heap."""
-        return shard_memory(*self.segment_fds)
+        figures = shard_memory(*self.segment_fds)
+        # Of those (not added to the total again): freed space kept resident for reuse,
+        # the page area's warm space and the journal's pages past its committed frames.
+        journal = self.journal
+        resident_past = figures["journal"] - PAGE - journal.committed
+        figures["warm"] = self.checkpoints.pages.area.warm_bytes + max(0, resident_past)
+        return figures
 
     def _account_segments(self) -> None:
         """The journal's and checkpoints' pages count against the host's capacity: all
@@ -273,10 +293,13 @@ class Shard:
         self.host.set_overhead(segment_bytes(journal) + max(0, held))
 
     def _trim(self) -> None:
-        """Give freed heap back to the host once enough private bytes were let go."""
+        """Give freed heap back to the host once enough private bytes were let go and
+        more of the heap is free than it keeps for reuse (memory.keep_heap)."""
         self.trim_mark = max(self.trim_mark, self.host.private_bytes)
         if self.trim_mark - self.host.private_bytes > TRIM_BYTES:
-            trim_heap()
+            free = heap_free_bytes()
+            if free is None or free > HEAP_KEEP_BYTES:
+                trim_heap()
             self.trim_mark = self.host.private_bytes
 
     def checkpoint(self) -> None:
@@ -312,13 +335,18 @@ class Shard:
         )
 
     def commit(self, events: list[Event]) -> None:
+        crcs = self.checkpoints.pages.take_crcs()  # taken at every commit: none kept longer
         if not events:
             return
         message = {"events": [to_wire(event) for event in events]}
         # A large record (a write's data) goes into the frame without being copied into a
         # packed message first; a commit of small events is packed in one call.
         large = any(type(e) is RecordApplied and len(e.record) >= LARGE_RECORD for e in events)
-        payload = pack_parts(message) if large else [pack(message)]
+        payload: list[bytes | memoryview | Checksummed] = []
+        if large:
+            payload += self._checksummed(pack_parts(message), crcs)
+        else:
+            payload.append(pack(message))
         # No checkpoint here: the service state already holds this request's
         # effects, which must reach the journal, not a checkpoint, first.
         self.events_since += len(events)
@@ -329,6 +357,36 @@ class Shard:
             os._exit(3)
         _failpoint_after_commit()
         self._account_segments()
+
+    def _checksummed(
+        self, parts: list[bytes], crcs: dict[int, tuple[bytes, int]]
+    ) -> list[bytes | memoryview | Checksummed]:
+        """`parts` of a frame, where a large record's data lies in one of them and the
+        page area computed that data's CRC as it copied it (SegmentPages.take_crcs): that
+        stretch marked Checksummed, so the journal does not read it again.  The stretch
+        is the data, compared byte for byte (a memcmp, cheaper than a CRC): a checksum
+        that did not match its bytes would lose the frame at recovery."""
+        known: list[tuple[bytes, int, int, int]] = []  # data, crc, its span in its record
+        for _vid, record in self.service.applied:
+            data = getattr(record, "data", None)
+            remembered = crcs.get(id(data))
+            if remembered is None or remembered[0] is not data:
+                continue
+            span = data_span(record)
+            if span is not None:
+                known.append((remembered[0], remembered[1], *span))
+        if not known:
+            return list(parts)
+        out: list[bytes | memoryview | Checksummed] = []
+        for part in parts:
+            for data, crc, start, end in known if len(part) >= LARGE_RECORD else ():
+                if len(part) >= end and part.startswith(data, start):
+                    view = memoryview(part)
+                    out += (view[:start], Checksummed(view[start:end], crc), view[end:])
+                    break
+            else:
+                out.append(part)
+        return out
 
     def handle(self, hello: Hello, message: bytes | memoryview) -> bytes | Job:
         """One request's packed reply, or the job a long request became (see answer)."""
@@ -365,6 +423,9 @@ class Shard:
                 self.commit(kept)  # its records too: the state holds them
                 applied = self.service.applied
                 self.checkpoint()  # one that does not fit is skipped: the run fails again
+                # Freed space kept warm counts against the host: its pages go back too.
+                if self.checkpoints.pages.cool():
+                    self._account_segments()
                 reply, events = self.service.handle(
                     hello.client, request, time.time_ns(), principal
                 )
@@ -375,8 +436,10 @@ class Shard:
     def _room_after_checkpoint(self, reply: dict[str, Any] | Job) -> bool:
         """Whether `reply` refused a request for room a checkpoint would make: the page
         area or the host was full while stale copies (pieces copied on write, whose
-        published originals only the next checkpoint frees) wait."""
-        if isinstance(reply, Job) or self.checkpoints.pages.stale_bytes == 0:
+        published originals only the next checkpoint frees) wait, or while freed space
+        kept warm (resident, so counted against the host) could go back."""
+        pages = self.checkpoints.pages
+        if isinstance(reply, Job) or (pages.stale_bytes == 0 and pages.area.warm_bytes == 0):
             return False
         error = reply.get("error")
         return isinstance(error, dict) and error.get("code") == "CapacityExhausted"
@@ -747,6 +810,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     _die_with_parent()
+    if not keep_heap():  # each 1 MiB request's buffers would fault fresh pages in
+        _log("could not set malloc's thresholds: large requests fault fresh heap pages")
     key = None
     protected: tuple[str, ...] = ()
     if args.approver_key:
