@@ -8,8 +8,10 @@ parser is checked as a pure function (every well-formed job round-trips,
 wrong types and unknown fields are refused); the process is checked on a
 real service and a real mount, with this test as its supervisor: it waits
 without mounting (and leaves the calibration behind), serves its job once
-told, unmounts on SIGTERM, and a spare let go (EOF) or given a bad job
-exits without mounting.  No timing is asserted.
+told (clean reads from the base included: the spare made C's table while
+it waited, and a volume with no base reads nothing from one), unmounts on
+SIGTERM, and a spare let go (EOF) or given a bad job exits without
+mounting.  No timing is asserted.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from slates.errors import InvalidArgument
-from slates.fuse.bridge import JOB_LIMIT, MountJob, parse_mount_job, read_mount_job
+from slates.fuse.bridge import (
+    JOB_LIMIT,
+    MountJob,
+    parse_mount_job,
+    read_counters,
+    read_mount_job,
+)
 from slates.node.anchor import stop_process
 from slates.node.ring import SPIN_CACHE_NAME
 from slates.sdk.client import Client
@@ -193,6 +201,7 @@ def test_a_spare_waits_then_serves_its_job(
         assert (mountpoint / "hello.txt").read_text() == "from the base\n"
         (mountpoint / "new.txt").write_text("made in the mount\n")
         assert counters.exists()
+        assert read_counters(counters)["clean_reads"] >= 1  # its table, made while waiting
         assert (service.runtime / SPIN_CACHE_NAME).exists()  # calibrated while waiting
         spare.process.send_signal(signal.SIGTERM)
         assert spare.process.wait(timeout=30) == 0, spare.log.read_text()
@@ -202,6 +211,32 @@ def test_a_spare_waits_then_serves_its_job(
             subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
     with Client(service.runtime) as client:  # what the mount wrote is the volume's
         assert client.read(volume, "/new.txt") == b"made in the mount\n"
+
+
+@needs_fuse
+def test_a_spare_serving_a_volume_without_a_base_reads_nothing_from_one(
+    spare: Spare, service: Service, tmp_path: Path
+) -> None:
+    """The table a spare makes while it waits comes with a stand-in base ("/") that is
+    unset at once: a volume with no base has every READ answered by its shard."""
+    with Client(service.runtime) as client:
+        volume = str(client.create_volume("baseless")["id"])
+        client.mkdir(volume, "/etc")
+        client.write(volume, "/etc/hostname", b"from the volume\n")  # a path "/" has too
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    counters = tmp_path / "counters"
+    try:
+        spare.give(MountJob(volume, str(mountpoint), counters=str(counters)))
+        assert spare.ready_byte() == b"1", spare.log.read_text()
+        assert (mountpoint / "etc" / "hostname").read_bytes() == b"from the volume\n"
+        seen = read_counters(counters)
+        assert seen["clean_reads"] == 0 and seen["READ"] >= 1, seen
+    finally:
+        spare.process.send_signal(signal.SIGTERM)
+        spare.process.wait(timeout=30)
+        if _mounted(mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
 
 
 @needs_fuse

@@ -91,9 +91,13 @@ only the first bridge of a boot measures.  A spare bridge
 and reads the calibration before it has a job, then waits for one JSON
 line on --job-fd (a MountJob: volume, mountpoint, flags, the agent's
 token) and mounts it as a bridge started with those arguments would; EOF
-before a job ends it quietly (the anchor let its spare go).  A supervisor
-that keeps one spare ready pays only connect, probe, mount and INIT per
-mount.
+before a job ends it quietly (the anchor let its spare go).  The anchor
+keeps one spare started (slates.node.mounts), so a mount pays only
+connect, probe, mount and INIT (a spare also allocates C's clean-read
+table while it waits: prepare_clean_reads).  A spare's argv names no
+volume or mount point (they come in its job), so whoever looks for a
+mount's bridge asks the anchor's state file for its pid rather than
+matching argv.
 
 Not here yet: invalidating the kernel's caches when the volume changes by
 another path (needs a shard -> bridge notification channel).
@@ -165,6 +169,7 @@ __all__ = [
     "hello",
     "main",
     "parse_mount_job",
+    "prepare_clean_reads",
     "read_counters",
     "read_mount_job",
     "run_bridge",
@@ -765,6 +770,19 @@ def read_mount_job(fd: int) -> MountJob | None:
     return parse_mount_job(job)
 
 
+def prepare_clean_reads() -> None:
+    """Allocate C's clean-read table now, with no base set (a spare, before its job).
+
+    bridge_set_base allocates and touches the table (CLEAN_SLOTS entries, 3 MiB)
+    on first use, which costs a mount 2-8 ms on the host measured; a spare pays
+    it while it waits.  The base directory it is given for that ("/") is unset
+    at once, so until use_base sets the volume's, no READ is served from a base.
+    """
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    if lib.bridge_set_base(fd) == 0:  # C owns fd now, whatever it answers
+        lib.bridge_set_base(-1)
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
@@ -824,6 +842,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.spare:
             # The first spare of a boot calibrates here, before any mount waits for it.
             cached_spin_ns(Runtime(args.runtime_dir).path)
+            prepare_clean_reads()
             job = read_mount_job(args.job_fd)
             if job is None:
                 return 0  # the anchor let its spare go

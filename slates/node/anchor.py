@@ -12,14 +12,24 @@ segments or the requests; it only records pids in the runtime state file.
 Restarts are bounded: a shard that dies more than MAX_RESTARTS times within
 RESTART_WINDOW seconds is left down (its state says "failed") rather than
 spinning; the other shards and the anchor keep serving.
+
+Mounts: each is served by a bridge process (slates.fuse.bridge) the anchor
+starts and supervises.  To keep a mount's wait short (issue 14) the anchor
+keeps one spare bridge started (slates.node.mounts): a mount hands its job
+to the spare instead of starting a process, and the next spare is started
+by the loop once the mount is answered, never while a request waits.  A
+spare that died is replaced (bounded like the link); a mount that finds
+none, or a spare that dies with its job, starts a fresh bridge as before.
+The spare is no mount: it is not in the state file, `gc` never reaps it,
+and it is let go (by pid) when the anchor stops.  The spin calibration
+(slates.node.ring.cached_spin_ns) is done once here, before the shards
+start, so no bridge of this boot measures it.
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
 import grp
-import itertools
 import json
 import math
 import os
@@ -35,7 +45,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
 
 from slates.errors import (
     AccessDenied,
@@ -44,10 +54,25 @@ from slates.errors import (
     NotADirectory,
     NotFound,
     SlatesError,
-    error_from_wire,
 )
 from slates.node.journal import create_segment
 from slates.node.memory import default_segment_sizes, ram_bytes
+from slates.node.mounts import (
+    Bridge,
+    BridgeJob,
+    Spare,
+    bridge_error,
+    clean_mountpoint,
+    give_job,
+    is_bridge,
+    is_mounted,
+    let_go,
+    orphan_bridges,
+    retire_files,
+    start_bridge,
+    start_spare,
+    users_of,
+)
 from slates.node.pool import HostPool
 from slates.node.principals import OPERATOR, Agents, Principal
 from slates.node.protocol import MAX_TOKEN, FrameReader, frame, pack, unpack
@@ -170,6 +195,9 @@ class Anchor:
         self.link_failed = False
         self.pool: HostPool | None = None  # the host's capacity, shared by the shards
         self.pool_fd = -1
+        self.spare: Spare | None = None  # a started bridge waiting for its mount
+        self.spare_deaths: deque[float] = deque()  # spares that died without a job
+        self.spare_failed = False
 
     def _open_to_agents(self, path: Path) -> None:
         if self.agent_group is None:
@@ -274,6 +302,12 @@ class Anchor:
         """Start every shard and supervise until SIGTERM/SIGINT; returns an exit code."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        # Calibrated before the shards start, on a quiet host, and left in the runtime
+        # directory for every bridge (spare or fresh) of this boot.  Imported here: the
+        # ring module loads the native extension, which parse_size's users never need.
+        from slates.node.ring import cached_spin_ns
+
+        cached_spin_ns(self.runtime.path)
         for slot in self.slots:
             self._start(slot)
         self._publish()
@@ -283,6 +317,7 @@ class Anchor:
         _log(f"anchor {os.getpid()} serving {len(self.slots)} shards in {self.runtime.path}")
         while not self.stopping:
             self._supervise()
+            self._keep_spare()
             self._serve_control()
         self._shutdown()
         return self.exit_code
@@ -470,42 +505,31 @@ class Anchor:
                 raise AlreadyExists("the volume is already mounted", directory=other.directory)
         if os.listdir(path):
             raise InvalidArgument("the mount directory is not empty", directory=path)
-        ready_read, ready_write = os.pipe()
-        counters = self.runtime.path / f"counters-{volume}-{time.time_ns()}"
-        command = [
-            sys.executable, "-m", "slates.fuse.bridge",
-            "--runtime-dir", str(self.runtime.path),
-            "--volume", volume,
-            "--mountpoint", path,
-            "--ready-fd", str(ready_write),
-            "--counters", str(counters),
-            *([] if writeback else ["--no-writeback-cache"]),
-            *(["--allow-other"] if allow_other else []),
-        ]  # fmt: skip
-        environment = {k: v for k, v in os.environ.items() if k != "SLATES_TOKEN"}
-        if token is not None:
-            environment["SLATES_TOKEN"] = token
-        log_path = (
-            self.runtime.path / f"bridge-{os.getpid()}-{len(self.mounts)}-{time.time_ns()}.log"
+        job = BridgeJob(
+            volume,
+            path,
+            self.runtime.path / f"counters-{volume}-{time.time_ns()}",
+            writeback,
+            allow_other,
+            token,
         )
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(log_fd, "wb") as log:  # the bridge's diagnostics; read back on failure
-            process = subprocess.Popen(
-                command, pass_fds=(ready_write,), stderr=log, env=environment
-            )
-        os.close(ready_write)
-        started = self._wait_ready(ready_read, process)
-        if not started:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            message = log_path.read_text(errors="replace")
+        bridge = self._bridge_for(job)
+        started = self._wait_ready(bridge)
+        if started == "failed" and self._spare_was_killed(bridge):
+            # Not the mount's fault (the spare said nothing): a fresh bridge tries it once.
+            _log(f"the spare bridge (pid {bridge.process.pid}) died with its job")
+            bridge.log.unlink(missing_ok=True)
+            self._clean_mountpoint(path)
+            bridge = start_bridge(self.runtime.path, job, self._bridge_log())
+            started = self._wait_ready(bridge)
+        process, log_path, counters = bridge.process, bridge.log, job.counters
+        if started != "ready":
+            _wait_or_kill(process, 30)
+            message = _read_log(log_path)
             log_path.unlink(missing_ok=True)
             counters.unlink(missing_ok=True)
             self._clean_mountpoint(path)
-            raise _bridge_error(message)
+            raise bridge_error(message)
         self.mounts[path] = _Mount(
             path,
             volume,
@@ -522,23 +546,73 @@ class Anchor:
         _log(f"mounted {volume} at {path} (bridge pid {process.pid})")
         return {"directory": path, "volume": volume, "pid": process.pid}
 
-    def _wait_ready(self, ready_fd: int, process: subprocess.Popen[bytes]) -> bool:
-        """Wait for the bridge's b"1", supervising the shards meanwhile (it may need one)."""
+    def _bridge_log(self) -> Path:
+        return self.runtime.path / f"bridge-{os.getpid()}-{len(self.mounts)}-{time.time_ns()}.log"
+
+    def _bridge_for(self, job: BridgeJob) -> Bridge:
+        """The spare given `job`, else (none, or it died) a fresh bridge started for it."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            bridge = give_job(spare, job)
+            if bridge is not None:
+                return bridge
+            code = let_go(spare)
+            _log(f"the spare bridge (pid {spare.process.pid}) was gone ({code}); starting one")
+        return start_bridge(self.runtime.path, job, self._bridge_log())
+
+    def _spare_was_killed(self, bridge: Bridge) -> bool:
+        """Whether a spare that failed its job was killed before it could say why (a
+        signal not ours, an empty log), rather than refusing the mount itself."""
+        if not bridge.from_spare or self.stopping:
+            return False
+        _wait_or_kill(bridge.process, 30)
+        code = bridge.process.returncode
+        return code < 0 and not _read_log(bridge.log).strip()
+
+    def _keep_spare(self) -> None:
+        """Have one spare bridge started (called by the loop between requests: starting
+        one is a fork and exec; its start-up runs in it, and nobody waits for it)."""
+        if self.stopping or self.spare_failed:
+            return
+        if self.spare is not None:
+            if self.spare.process.poll() is None:
+                return
+            dead, self.spare = self.spare, None
+            code = let_go(dead)
+            _log(f"the spare bridge (pid {dead.process.pid}) exited with {code}")
+            now = time.monotonic()
+            self.spare_deaths.append(now)
+            while self.spare_deaths and now - self.spare_deaths[0] > RESTART_WINDOW:
+                self.spare_deaths.popleft()
+            if len(self.spare_deaths) > MAX_RESTARTS:
+                _log("spare bridges keep dying; each mount starts its own bridge")
+                self.spare_failed = True
+                return
+        try:
+            self.spare = start_spare(self.runtime.path, self._bridge_log())
+        except OSError as exc:  # no fds or processes left: mounts start their own
+            _log(f"could not start a spare bridge: {exc}")
+            self.spare_failed = True
+
+    def _wait_ready(self, bridge: Bridge) -> Literal["ready", "failed", "killed"]:
+        """Wait for the bridge's b"1", supervising the shards meanwhile (it may need one):
+        "failed" when it ended without one; one not ready within BRIDGE_START_SECONDS, or
+        when the anchor stops, is killed."""
         deadline = time.monotonic() + BRIDGE_START_SECONDS
-        with os.fdopen(ready_fd, "rb", buffering=0) as ready:
+        with os.fdopen(bridge.ready, "rb", buffering=0) as ready:
             while time.monotonic() < deadline and not self.stopping:
                 readable, _, _ = select.select([ready], [], [], 0.05)
-                if readable:
-                    return ready.read(1) == b"1"  # EOF (no "1") when the bridge fails
+                if readable:  # EOF (no "1") when the bridge fails
+                    return "ready" if ready.read(1) == b"1" else "failed"
                 self._supervise()
-        process.kill()
-        return False
+        bridge.process.kill()
+        return "killed"
 
     def _unmount(self, path: str, *, force: bool = True) -> dict[str, object]:
         mount = self.mounts.get(path)
         if mount is None:
             raise NotFound("no Slates mount there", directory=path)
-        if not force and (users := _users_of(path)):
+        if not force and (users := users_of(path)):
             raise InvalidArgument(
                 "the mount is in use (a process has a file or directory open there); "
                 "close it, or unmount with --force to detach it lazily",
@@ -555,25 +629,7 @@ class Anchor:
         return {"directory": path, "volume": mount.volume}
 
     def _retire_files(self, mount: _Mount) -> None:
-        """A gone bridge's files must not pile up in the runtime directory (a day of
-        agents makes thousands of mounts): its counters are added into one
-        `counters-retired` file, so totals over the directory stay what they were,
-        and its log goes unless it says something (a crash's diagnostics stay)."""
-        if mount.counters is not None and mount.counters.exists():
-            retired = self.runtime.path / "counters-retired"
-            mine = array.array("Q")
-            with contextlib.suppress(ValueError):  # a torn file: nothing to add
-                mine.frombytes(mount.counters.read_bytes())
-            if retired.exists():
-                total = array.array("Q", retired.read_bytes())
-                if len(total) == len(mine):
-                    mine = array.array("Q", (a + b for a, b in zip(total, mine, strict=True)))
-            temp = retired.with_name(".counters-retired.tmp")
-            temp.write_bytes(mine.tobytes())
-            temp.replace(retired)
-            mount.counters.unlink()
-        if mount.log is not None and mount.log.exists() and not mount.log.stat().st_size:
-            mount.log.unlink()
+        retire_files(self.runtime.path, mount.counters, mount.log)
 
     def _wait_exit(self, process: subprocess.Popen[bytes], timeout: float) -> None:
         """Wait for a child to exit, supervising the shards meanwhile (it may need one)."""
@@ -629,7 +685,9 @@ class Anchor:
         """`slates gc`: kill bridges of this runtime directory that serve no mount of ours
         and detach their mounts, and detach mounts this anchor records whose bridge died."""
         served = {m.process.pid for m in self.mounts.values()}
-        orphans = _orphan_bridges(self.runtime.path, served)
+        if self.spare is not None:
+            served.add(self.spare.process.pid)  # ours, waiting for a mount
+        orphans = orphan_bridges(self.runtime.path, served)
         for pid in orphans:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -656,7 +714,7 @@ class Anchor:
                 names += [str(name) for name in json.loads(listing.read_text())]
             listing.unlink(missing_ok=True)
         for directory, bridge in mounts:
-            if _is_bridge(bridge):
+            if is_bridge(bridge):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(bridge, signal.SIGKILL)  # an orphan serving nothing
             self._clean_mountpoint(directory)
@@ -672,19 +730,15 @@ class Anchor:
 
     @staticmethod
     def _clean_mountpoint(path: str) -> None:
-        """Detach a mount whose bridge is gone, so no stale mount is left behind."""
-        if is_mounted(path):
-            subprocess.run(
-                ["fusermount3", "-u", "-z", path],
-                check=False,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+        clean_mountpoint(path)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.stopping = True
 
     def _shutdown(self) -> None:
+        if self.spare is not None:
+            spare, self.spare = self.spare, None
+            let_go(spare)
         for path in list(self.mounts):
             self._unmount(path)
         if self.control is not None:
@@ -718,82 +772,20 @@ class Anchor:
         _log("anchor stopped")
 
 
-def _orphan_bridges(runtime: Path, served: set[int]) -> dict[int, str]:
-    """Bridges of this runtime directory that no mount of this anchor is served by
-    (a previous anchor's, or one whose start this anchor gave up on): pid -> mount point."""
-    found: dict[int, str] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) in served:
-            continue
-        try:
-            argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"slates.fuse.bridge" not in argv:
-            continue
-        options = dict(itertools.pairwise(argv))
-        if options.get(b"--runtime-dir") == os.fsencode(str(runtime)):
-            found[int(entry.name)] = os.fsdecode(options.get(b"--mountpoint", b""))
-    return found
-
-
-def _users_of(path: str) -> list[int]:
-    """Processes with a cwd, root, open file or mapping under `path` (read from /proc,
-    which names paths without asking the mounted file system anything)."""
-    prefix = path.rstrip("/") + "/"
-    users: list[int] = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        links: list[str] = []
-        with contextlib.suppress(OSError):
-            links += [
-                os.readlink(f"/proc/{entry.name}/cwd"),
-                os.readlink(f"/proc/{entry.name}/root"),
-            ]
-            links += [os.readlink(fd.path) for fd in os.scandir(f"/proc/{entry.name}/fd")]
-            with open(f"/proc/{entry.name}/maps", encoding="utf-8", errors="replace") as maps:
-                links += [line.split(maxsplit=5)[-1].strip() for line in maps if "/" in line]
-        if any(link == path or link.startswith(prefix) for link in links):
-            users.append(int(entry.name))
-    return users
-
-
-def _is_bridge(pid: int) -> bool:
-    """Whether `pid` is a mount bridge of Slates (never another process that took its pid)."""
+def _read_log(path: Path) -> str:
+    """A bridge's log, "" if it has none (its name could not be given: see mounts)."""
     try:
-        return b"slates.fuse.bridge" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return path.read_text(errors="replace")
     except OSError:
-        return False
+        return ""
 
 
-def is_mounted(path: str) -> bool:
-    """Whether something is mounted at `path` (a dead FUSE mount fails stat, so ask the kernel)."""
-    with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as mounts:
-        for line in mounts:
-            fields = line.split()
-            if len(fields) > 1 and _unescape(fields[1]) == path:
-                return True
-    return False
-
-
-def _unescape(field: str) -> str:
-    # /proc/self/mounts writes space, tab, newline and backslash as octal escapes.
-    for code in ("\\040", "\\011", "\\012", "\\134"):
-        field = field.replace(code, chr(int(code[1:], 8)))
-    return field
-
-
-def _bridge_error(message: str) -> SlatesError:
-    """The bridge's own error line ("error: Code: message") as that error."""
-    for line in reversed(message.strip().splitlines()):
-        for prefix in ("error: ", "slates-bridge: "):
-            rest = line.removeprefix(prefix)
-            if rest != line and ": " in rest:
-                code, text = rest.split(": ", 1)
-                if code.isidentifier():
-                    return error_from_wire({"code": code, "message": text})
-    return SlatesError("the mount bridge failed to start", output=message[-2000:])
+def _wait_or_kill(process: subprocess.Popen[bytes], timeout: float) -> None:
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _log(message: str) -> None:
