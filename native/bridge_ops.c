@@ -160,7 +160,7 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
      * directory's lock (the loop threads answer them side by side). */
     unsigned want = FUSE_CAP_WRITEBACK_CACHE | FUSE_CAP_NO_OPEN_SUPPORT |
                     FUSE_CAP_NO_OPENDIR_SUPPORT | FUSE_CAP_READDIRPLUS |
-                    FUSE_CAP_AUTO_INVAL_DATA | FUSE_CAP_ASYNC_READ |
+                    FUSE_CAP_ASYNC_READ |
                     FUSE_CAP_CACHE_SYMLINKS | FUSE_CAP_PARALLEL_DIROPS;
     if (!g_bridge.writeback)
         want &= ~(unsigned)FUSE_CAP_WRITEBACK_CACHE;
@@ -172,6 +172,14 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
      * base names, and a listing followed by stats (find, git status's
      * untracked scan, grep -r) then needs no LOOKUP per entry. */
     conn->want &= ~(unsigned)FUSE_CAP_READDIRPLUS_AUTO;
+    /* No auto_inval_data (libfuse asks for it by default): with it the kernel
+     * drops a file's cached pages whenever a GETATTR brings a newer mtime,
+     * which in a write-through mount is after every write of its own, so a
+     * build read back every object file it had just written through the
+     * shard.  Changes made elsewhere never rely on it: the shard's
+     * invalidations (bridge_session.c) drop the pages of what other clients
+     * change, and a size change drops them in the kernel regardless. */
+    conn->want &= ~(unsigned)FUSE_CAP_AUTO_INVAL_DATA;
     conn->want &= ~(unsigned)(FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE);
     /* OPEN is never sent (no_open), so it cannot truncate: without this the
      * kernel would trust OPEN with O_TRUNC and the truncation would be lost.
