@@ -25,7 +25,7 @@ import subprocess
 import sys
 import termios
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,10 @@ from slates.fuse.bridge import MountJob, parse_mount_job
 from slates.node.anchor import is_mounted
 from slates.node.mounts import BridgeJob
 from slates.sdk.client import Client
-from tests.anchor_fixture import Service, start_service
+from tests.anchor_fixture import Service, service
 from tests.test_bridge_unit import needs_fuse
+
+__all__ = ["service"]  # the anchor fixture, shared
 
 WAIT_SECONDS = 30.0
 
@@ -154,15 +156,6 @@ def _cli(*args: str | Path) -> Any:
     )
     assert done.returncode == 0, (args, done.stderr.decode())
     return json.loads(done.stdout)
-
-
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[Service]:
-    running = start_service(tmp_path / "run")
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture

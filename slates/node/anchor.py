@@ -92,6 +92,15 @@ __all__ = [
 MAX_RESTARTS = 20
 MAX_BRIDGE_RESTARTS = 5  # per mount within RESTART_WINDOW
 RESTART_WINDOW = 60.0
+
+
+def _within_window(times: deque[float], now: float) -> deque[float]:
+    """`times` without those older than RESTART_WINDOW before `now` (dropped in place)."""
+    while times and now - times[0] > RESTART_WINDOW:
+        times.popleft()
+    return times
+
+
 _UCRED = struct.Struct("3i")
 CONTROL_SECONDS = 2.0
 MAX_CONTROL_FRAME = 64 << 10  # control requests are small
@@ -331,9 +340,7 @@ class Anchor:
             _log(f"shard {slot.index} (pid {process.pid}) exited with {process.returncode}")
             now = time.monotonic()
             slot.recent.append(now)
-            while slot.recent and now - slot.recent[0] > RESTART_WINDOW:
-                slot.recent.popleft()
-            if len(slot.recent) > MAX_RESTARTS:
+            if len(_within_window(slot.recent, now)) > MAX_RESTARTS:
                 # Only this shard's volumes are lost to it: the others keep serving.
                 _log(f"shard {slot.index} keeps dying; it is left down, the others go on")
                 slot.failed = True
@@ -356,9 +363,7 @@ class Anchor:
         if self.fleet is None or self.stopping:
             return
         now = time.monotonic()
-        while self.link_starts and now - self.link_starts[0] > RESTART_WINDOW:
-            self.link_starts.popleft()
-        if len(self.link_starts) > MAX_RESTARTS:
+        if len(_within_window(self.link_starts, now)) > MAX_RESTARTS:
             if not self.link_failed:
                 _log("the fleet link keeps dying; this host goes on without the fleet")
                 self.link_failed = True
@@ -582,9 +587,7 @@ class Anchor:
             _log(f"the spare bridge (pid {dead.process.pid}) exited with {code}")
             now = time.monotonic()
             self.spare_deaths.append(now)
-            while self.spare_deaths and now - self.spare_deaths[0] > RESTART_WINDOW:
-                self.spare_deaths.popleft()
-            if len(self.spare_deaths) > MAX_RESTARTS:
+            if len(_within_window(self.spare_deaths, now)) > MAX_RESTARTS:
                 _log("spare bridges keep dying; each mount starts its own bridge")
                 self.spare_failed = True
                 return
@@ -658,9 +661,7 @@ class Anchor:
             if mount.process.returncode == 0 or self.stopping:
                 continue  # it unmounted itself (fusermount -u): not a failure
             now = time.monotonic()
-            while mount.restarts and now - mount.restarts[0] > RESTART_WINDOW:
-                mount.restarts.popleft()
-            if len(mount.restarts) >= MAX_BRIDGE_RESTARTS:
+            if len(_within_window(mount.restarts, now)) >= MAX_BRIDGE_RESTARTS:
                 _log(f"the bridge for {path} keeps dying; the volume stays unmounted")
                 continue
             try:
