@@ -131,19 +131,21 @@ class Journal:
             raise VerificationFailed("the journal segment is not a Slates journal")
         elif not 0 <= committed <= segment.size - _JOURNAL_START:
             raise VerificationFailed("the journal's committed offset is out of bounds")
+        # The header's two numbers as this, their only writer, last stored them: read on
+        # every request (room, committed), kept here instead of unpacked from the map.
+        self._generation: int = _JOURNAL_HEADER.unpack_from(segment.map, 0)[3]
+        self._committed: int = _JOURNAL_HEADER.unpack_from(segment.map, 0)[4]
 
     def _write_header(self, generation: int, committed: int) -> None:
         _JOURNAL_HEADER.pack_into(self.segment.map, 0, _JOURNAL_MAGIC, 1, 0, generation, committed)
 
     @property
     def generation(self) -> int:
-        value: int = _JOURNAL_HEADER.unpack_from(self.segment.map, 0)[3]
-        return value
+        return self._generation
 
     @property
     def committed(self) -> int:
-        value: int = _JOURNAL_HEADER.unpack_from(self.segment.map, 0)[4]
-        return value
+        return self._committed
 
     @property
     def room(self) -> int:
@@ -175,6 +177,7 @@ class Journal:
         _FRAME.pack_into(mm, at, length, crc)
         # The commit point: one aligned 8-byte store.
         struct.pack_into("<Q", mm, 24, committed + need)
+        self._committed = committed + need
 
     def entries(self) -> Iterator[bytes]:
         mm = self.segment.map
@@ -199,5 +202,7 @@ class Journal:
         # Two aligned 8-byte stores, emptying first: a crash between them leaves
         # an empty journal of the old generation, which recovery also accepts.
         struct.pack_into("<Q", self.segment.map, 24, 0)
+        self._committed = 0
         struct.pack_into("<Q", self.segment.map, 16, generation)
+        self._generation = generation
         self.segment.release(_JOURNAL_START + min(keep, used), _JOURNAL_START + used)
