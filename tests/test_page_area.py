@@ -390,3 +390,30 @@ def test_a_copy_on_write_that_does_not_fit_changes_nothing(area: _Area) -> None:
     assert volume.read(ino, 0, 2 * MiB) == b"b" * PAGE + b"a" * (3 * MiB // 2 - PAGE)
     volume.write(ino, 5, b"d")  # the copy is ours: written in place, no room needed
     check_invariants(volume)
+
+
+class _Drawn:
+    """Stands in for hypothesis's data object: hands out the given draws in order."""
+
+    def __init__(self, *values: object) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: object) -> object:
+        return self.values.pop(0)
+
+
+def test_space_taken_for_growth_but_not_used_goes_back_with_its_pages() -> None:
+    """Found by the state machine: a growing buffer's extension took two warm ranges,
+    used one and gave the other back as cold space with its pages still resident."""
+    machine = PagesInTheSegment()
+    try:
+        machine.new("b", 1, 0)
+        machine.new("a", 1, 0)
+        machine.checkpoint()
+        machine.new("c", 300_000, 0)
+        machine.write(_Drawn("b", 0), 1, 0)
+        machine.checkpoint()
+        machine.extend(_Drawn("c"), PAGE - 1, 0)
+        machine.taken_space_is_what_something_holds()
+    finally:
+        machine.teardown()

@@ -402,6 +402,7 @@ class SegmentBuffer:
                 last.crc = None if last.crc is None else combine_crc(last.crc, whole, done)
                 last.length += done
                 pages.live_bytes += done
+                self._length += done  # the last piece grew: no offset moved
         if done < len(view):
             rest = len(view) - done
             # A buffer that keeps growing gets room to grow into (its last piece's
@@ -420,9 +421,10 @@ class SegmentBuffer:
                     whole = combine_crc(whole, piece.crc, piece.length)
                 done += piece.length
                 self._pieces.append(piece)
+                self._offsets.append(self._length)  # the index kept as it grows
+                self._length += piece.length
         if whole is not None:
             pages.remember_crc(data, whole)
-        self._reindex()
 
     def shrink(self, length: int) -> None:
         if not 0 <= length <= self._length:
@@ -516,8 +518,9 @@ class SegmentPages:
             for at, capacity in ranges:
                 length = min(capacity, left)
                 piece = Piece(at, capacity, length, 0, None)
-                if length == 0:  # more capacity than bytes: the range goes back
-                    self.area.give(at, capacity)
+                if length == 0:  # more capacity than bytes: the range goes back, cold
+                    self.area.give(at, capacity)  # (it may have been warm: its pages too)
+                    self.segment.release(at, at + capacity)
                     continue
                 out.append(piece)
                 self._live[at] = piece
