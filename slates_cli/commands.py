@@ -121,17 +121,14 @@ _fail_hook: Fail | None = None
 
 
 def register(group: click.Group, fail: Fail) -> None:
-    """Attach this module's commands to `group`; `fail` reports a SlatesError and exits."""
+    """Attach this module's commands to `group`; `fail` reports a SlatesError and exits.
+    (The commands of slates_cli.land and slates_cli.agents, which build on this module's
+    pieces, load only when named: main.py's LAZY_COMMANDS.)"""
     global _fail_hook
     _fail_hook = fail
     for command in (status, volume, snapshot, gc, clone, read, write, ls, mount, unmount):
         group.add_command(command)
     for command in (green, work, submit, rebase, versions, changed):
-        group.add_command(command)
-    from .agents import agent  # they build on this module's pieces
-    from .land import land, read_base, rewitness
-
-    for command in (land, read_base, rewitness, agent):
         group.add_command(command)
 
 

@@ -16,6 +16,11 @@ write, ls, mount, unmount, green create, work create, submit, rebase,
 versions, changed), which live in slates_cli.commands and attach to `main`
 through its `register`.  `mcp` serves the MCP server of slates.mcp on
 stdin/stdout.
+
+Start-up: the commands of slates_cli.land (land, read-base, rewitness),
+slates_cli.agents (agent) and slates_cli.fleet (fleet) load only when one
+of them is named or the command list is shown (LAZY_COMMANDS, through
+_LazyGroup), so every other command skips importing and building them.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ import click
 from slates.errors import SlatesError
 
 from .commands import register, runtime_dir_option
-from .fleet import fleet as fleet_group
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -41,6 +45,42 @@ __all__ = ["main", "demo", "exit_code_for", "format_size", "format_units", "prin
 
 KIB = 1024
 MIB = 1024 * 1024
+
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "agent": ("slates_cli.agents", "agent"),
+    "fleet": ("slates_cli.fleet", "fleet"),
+    "land": ("slates_cli.land", "land"),
+    "read-base": ("slates_cli.land", "read_base"),
+    "rewitness": ("slates_cli.land", "rewitness"),
+}
+"""Commands loaded when named: their name, module and attribute."""
+
+
+class _LazyGroup(click.Group):
+    """A group whose LAZY_COMMANDS are imported (and added) on first lookup; its
+    command list, and so its help, is the same as with every command added up front."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in LAZY_COMMANDS:
+            import importlib
+
+            module, attribute = LAZY_COMMANDS[cmd_name]
+            command: click.Command = getattr(importlib.import_module(module), attribute)
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.exceptions.NoSuchCommand:
+            for name in LAZY_COMMANDS:  # "did you mean" chooses among every command
+                self.get_command(ctx, name)
+            return super().resolve_command(ctx, args)
 
 
 def exit_code_for(error: SlatesError) -> int:
@@ -250,7 +290,7 @@ def print_demo(result: DemoResult, console: Console) -> None:
     console.print(seals)
 
 
-@click.group()
+@click.group(cls=_LazyGroup)
 def main() -> None:
     """Slates: private, in-RAM, copy-on-write workspaces over a shared starting point."""
 
@@ -433,7 +473,6 @@ def mcp_server(runtime_dir: str | None, token_file: str | None) -> None:
 
 
 register(main, _fail)
-main.add_command(fleet_group)
 
 
 if __name__ == "__main__":

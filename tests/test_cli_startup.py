@@ -19,17 +19,25 @@ What is checked, per hot command (issue 14: create + mount from the CLI):
 - `--help`, a subcommand's help and a usage error load no slates module
   but slates.errors, and none of rich, msgpack, the SDK, pathlib, socket
   or json;
-- a request loads of the service's side (slates.node) only the wire
-  (protocol) and the runtime directory's state file (runtime): never the
-  anchor (a size parser lives there), the core, the merge engine, trio;
-  rich only for tables;
+- a request loads of the service's side (slates.node) only the runtime
+  directory's state file (runtime): not the wire's server side (protocol:
+  the SDK speaks it through slates.wire), never the anchor (a size parser
+  lives there), the core, the merge engine, trio; nor pathlib or socket.py
+  (the blocking transport uses socket's C half), nor the commands of
+  slates_cli.land, slates_cli.agents and slates_cli.fleet (loaded when
+  named); rich only for tables;
 - round trips: each command connects to the sockets it needs, each once.
   `mount VOLUME_ID` and `unmount` talk to the anchor only; a volume named
   by name is looked up on every shard once; `volume list` and `status`
   ask every shard once and the anchor never (mounts come from its state
   file); `volume create` asks every shard once (the name check, then the
   create on its home shard over the same connection), and with `--mount`
-  the anchor once more, in the same process.
+  the anchor once more, in the same process.  Without rings the first
+  request to a shard travels in the hello's send (one round trip, not two):
+  checked against a listening socket that answers nothing until it has
+  both, and a refused hello still raises the shard's error.  Closing sends
+  every shard its goodbye before awaiting any answer (two listening
+  sockets that each answer only once both goodbyes came).
 
 The mount flags (issue 12) are checked on real mounts: `--allow-other`
 reaches the kernel's mount options, and mount and unmount carry the
@@ -42,11 +50,14 @@ and the blocking client with rings on a real service.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import types
 from collections import Counter
 from collections.abc import Generator
@@ -60,8 +71,9 @@ from hypothesis import strategies as st
 from slates.core.host import UNLIMITED
 from slates.errors import NotFound, SlatesError, VerificationFailed
 from slates.node.anchor import spawn_anchor, stop_process
-from slates.node.protocol import error_reply, ok_reply, pack, unpack
+from slates.node.protocol import FrameReader, error_reply, frame, ok_reply, pack, unpack
 from slates.sdk import Client
+from slates.sdk.blocking import ALONG_MOST, BlockingShardConnection, BlockingTransport
 from slates.sdk.client import _run_to_end
 from slates.sdk.session import RECONNECT_SECONDS, RETRY_MOST, Reconnect, ShardSession
 from slates_cli import commands
@@ -77,10 +89,16 @@ NEVER_FOR_HELP = (*HEAVY, "pathlib", "socket", "json")
 """Besides HEAVY, what only talking to the service or printing data needs."""
 SLATES_FOR_HELP = frozenset({"slates", "slates.errors"})
 """The only slates modules help and usage errors load (the CLI's own modules aside)."""
-NODE_FOR_A_REQUEST = frozenset({"slates.node", "slates.node.protocol", "slates.node.runtime"})
-"""The service-side modules a request may load: the wire and the state file, nothing else."""
+NODE_FOR_A_REQUEST = frozenset({"slates.node", "slates.node.runtime"})
+"""The service-side modules a request may load: the state file, nothing else."""
 NEVER_FOR_A_REQUEST = (
     "trio",
+    "pathlib",
+    "socket",
+    "slates.node.protocol",
+    "slates_cli.land",
+    "slates_cli.agents",
+    "slates_cli.fleet",
     "pygit2",
     "slates.core",
     "slates.base",
@@ -176,6 +194,7 @@ def _check_help(probe: Probe) -> None:
 def _check_request(probe: Probe, *, tables: bool) -> None:
     """A request's modules: the blocking SDK, the wire and the state file; rich iff tables."""
     assert "slates.sdk.blocking" in probe.loaded and "msgpack" in probe.loaded
+    assert "slates.wire" in probe.loaded and "_socket" in probe.loaded
     assert probe.of("slates.node") <= NODE_FOR_A_REQUEST, sorted(probe.of("slates.node"))
     assert not probe.any_of(NEVER_FOR_A_REQUEST), sorted(probe.any_of(NEVER_FOR_A_REQUEST))
     assert ("rich" in probe.loaded) == tables, sorted(probe.of("rich"))
@@ -411,6 +430,123 @@ def test_a_hello_answer_without_the_ring_pair_is_refused_and_closes_what_came() 
     with pytest.raises(OSError):
         os.close(read_end)  # closed by the refusal: nothing leaks
     os.close(write_end)
+
+
+def _pipelining_shard(
+    listener: socket.socket, answer: dict[str, Any], seen: list[int], wait: float
+) -> None:
+    """One connection: wait (at most `wait` s) for the hello and the request *before*
+    answering anything, note how many frames came, then answer the hello with `answer`
+    and, if it is ok, the request (read now if it had not come) with "pong"."""
+    conn, _ = listener.accept()
+    listener.close()  # a client that reconnects finds nobody, and fails within its bound
+    with conn:
+        conn.settimeout(wait)
+        reader = FrameReader()
+        frames: list[bytes] = []
+        with contextlib.suppress(TimeoutError):
+            while len(frames) < 2:
+                data = conn.recv(1 << 16)
+                if not data:
+                    break
+                reader.feed(data)
+                while (payload := reader.next_frame()) is not None:
+                    frames.append(payload)
+        seen.append(len(frames))
+        conn.sendall(frame(pack(answer)))
+        conn.settimeout(5.0)
+        while answer.get("ok") and len(frames) < 2 and (data := conn.recv(1 << 16)):
+            reader.feed(data)
+            while (payload := reader.next_frame()) is not None:
+                frames.append(payload)
+        if answer.get("ok") and len(frames) == 2:
+            request = unpack(frames[1])
+            conn.sendall(frame(pack(ok_reply(request["seq"], ["pong", request["op"]]))))
+
+
+@pytest.mark.parametrize(("refused", "size"), [(False, 10), (True, 10), (False, 100 << 10)])
+def test_the_first_request_rides_with_the_hello(tmp_path: Path, refused: bool, size: int) -> None:
+    """...when small: a large one (a file's piece) waits for the hello's answer, as the
+    shard reads a hello's stream with a small frame limit."""
+    large = size > ALONG_MOST
+    path = str(tmp_path / "shard.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    answer = error_reply(0, NotFound("no such agent")) if refused else {"ok": True}
+    seen: list[int] = []
+    wait = 0.5 if large else 5.0  # a large request does not come before the answer
+    server = threading.Thread(target=_pipelining_shard, args=(listener, answer, seen, wait))
+    server.start()
+    connection = BlockingShardConnection(path, ShardSession("client-1", rings=False))
+    try:
+        if refused:
+            with pytest.raises(NotFound, match="no such agent"):
+                connection.request("ping", {"data": b"x" * size})
+        else:
+            assert connection.request("ping", {"data": b"x" * size}) == ["pong", "ping"]
+    finally:
+        connection.close()
+        server.join(10)
+        listener.close()
+    assert seen == [1 if large else 2]  # what came before any answer
+
+
+def _shard_awaiting_both_goodbyes(
+    listener: socket.socket, together: threading.Barrier, byes: list[str]
+) -> None:
+    """Answer the hello and one request, then hold the goodbye's answer until the other
+    shard has its goodbye too (the barrier breaks if the client waits for us first)."""
+    conn, _ = listener.accept()
+    listener.close()
+    with conn:
+        conn.settimeout(10.0)
+        reader = FrameReader()
+        frames: list[dict[str, Any]] = []
+        answered = 0
+        while len(frames) < 3 and (data := conn.recv(1 << 16)):
+            reader.feed(data)
+            while (payload := reader.next_frame()) is not None:
+                frames.append(unpack(payload))
+            for message in frames[answered:]:
+                if "client" in message:
+                    conn.sendall(frame(pack({"ok": True})))
+                elif message["op"] == "bye":
+                    try:
+                        together.wait(5.0)
+                        byes.append("together")
+                    except threading.BrokenBarrierError:
+                        byes.append("alone")
+                    conn.sendall(frame(pack(ok_reply(message["seq"], {}))))
+                else:
+                    conn.sendall(frame(pack(ok_reply(message["seq"], "pong"))))
+            answered = len(frames)
+
+
+def test_closing_says_goodbye_to_every_shard_before_awaiting_answers(tmp_path: Path) -> None:
+    paths = [str(tmp_path / f"shard-{i}.sock") for i in range(2)]
+    together = threading.Barrier(2)
+    byes: list[str] = []
+    servers = []
+    for path in paths:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        server = threading.Thread(
+            target=_shard_awaiting_both_goodbyes, args=(listener, together, byes)
+        )
+        server.start()
+        servers.append(server)
+    transport = BlockingTransport("client-1", rings=False, token=None)
+    transport.open(paths)
+    try:
+        assert [_run_to_end(transport.request(i, "ping", {})) for i in (0, 1)] == ["pong"] * 2
+    finally:
+        _run_to_end(transport.close())
+        for server in servers:
+            server.join(15)
+    assert byes == ["together", "together"]
+    assert all(shard.sock is None for shard in transport.shards)
 
 
 def _add_agent(service: Service, name: str) -> str:

@@ -11,6 +11,9 @@ service nothing, a name lists the volumes once.  Beside it, two checks of
 the client's surface: optional flags (submit's dry_run, rewitness's merge)
 are sent only when set, and the blocking Client wraps every AsyncClient
 method with its types.
+
+The client's path resolution (no pathlib) is checked against `Path.resolve` on real
+files, symlinks and a symlink loop.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from hypothesis import strategies as st
 
 from slates.errors import InvalidArgument, NotFound, VerificationFailed
 from slates.sdk import AsyncClient, Client
-from slates.sdk.client import _Blocking
+from slates.sdk.client import _Blocking, _resolved
 from slates.sdk.names import MAX_CANDIDATES, Role, is_volume_id, pick_volume
 
 ROLE_LIST: list[Role] = ["green", "work", "volume"]
@@ -185,3 +188,18 @@ def test_the_blocking_client_wraps_every_async_method() -> None:
     }
     wrapped = {name for name in vars(Client) if isinstance(vars(Client)[name], _Blocking)}
     assert wrapped == public - {"aclose"}  # Client.close closes it
+
+
+def test_the_client_resolves_paths_as_pathlib_does(tmp_path: Path, monkeypatch: Any) -> None:
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "dir")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    monkeypatch.chdir(tmp_path)
+    for path in ["dir", "link", "link/", "./link/../dir", "missing/x", "", str(tmp_path), "//tmp"]:
+        assert _resolved(path) == str(Path(path).resolve()), path
+    assert _resolved(tmp_path / "link") == str(tmp_path / "dir")
+    with pytest.raises(RuntimeError) as ours:
+        _resolved("loop")
+    with pytest.raises(RuntimeError) as theirs:
+        Path("loop").resolve()
+    assert str(ours.value) == str(theirs.value)

@@ -15,21 +15,32 @@ request carries `ack`, the highest sequence number below which the client
 has every reply; the shard then forgets those results, and a later retry
 of one of them gets RequestExpired.
 
+The framing, packing and reply checks a client needs too live in slates.wire
+(re-exported here), so a command need not import the shard's records.
 Everything read from a peer is validated here; a malformed message is an
 InvalidArgument, never a crash.  Sizes are bounded (MAX_FRAME).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import struct
 from typing import Any
 
 import msgpack
 
-from slates.errors import CapacityExhausted, InvalidArgument, SlatesError, error_from_wire
+from slates.errors import InvalidArgument, SlatesError
 from slates.packing import bin_header
+from slates.wire import (
+    MAX_FRAME,
+    Budget,
+    FrameReader,
+    check_ok,
+    frame,
+    pack,
+    reply_parts,
+    shard_of,
+    unpack,
+)
 
 __all__ = [
     "shard_of",
@@ -52,15 +63,8 @@ __all__ = [
     "error_reply",
 ]
 
-MAX_FRAME = 64 << 20
 MAX_CLIENT_ID = 128
 MAX_TOKEN = 256
-_LENGTH = struct.Struct(">I")
-
-
-def pack(message: dict[str, Any]) -> bytes:
-    out: bytes = msgpack.packb(message, use_bin_type=True, unicode_errors="surrogateescape")
-    return out
 
 
 # Bytes at least this large, no deeper than _LARGE_DEPTH containers in, are not copied
@@ -108,84 +112,6 @@ def pack_parts(message: dict[str, Any]) -> list[bytes]:
     _walk(message, packer, parts)
     parts.append(packer.bytes())
     return parts
-
-
-def unpack(payload: bytes | memoryview) -> dict[str, Any]:
-    try:
-        message = msgpack.unpackb(
-            payload, raw=False, strict_map_key=False, unicode_errors="surrogateescape"
-        )
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise InvalidArgument("undecodable message", reason=str(exc)) from None
-    if not isinstance(message, dict):
-        raise InvalidArgument("a message must be a map")
-    return message
-
-
-def frame(payload: bytes) -> bytes:
-    if len(payload) > MAX_FRAME:
-        raise InvalidArgument("message too large", size=len(payload), limit=MAX_FRAME)
-    return _LENGTH.pack(len(payload)) + payload
-
-
-class Budget:
-    """Bytes that one principal's connections may hold in partial frames, together."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    def charge(self, delta: int) -> None:
-        if delta > 0 and self.used + delta > self.limit:
-            raise CapacityExhausted(
-                "this principal's connections hold too many unfinished frames",
-                limit=self.limit,
-            )
-        self.used += delta
-
-
-class FrameReader:
-    """Reassembles frames from stream chunks; bounded by `limit` (MAX_FRAME), and the bytes
-    of an unfinished frame charged to `budget` (the principal's) while they wait."""
-
-    def __init__(self, limit: int = MAX_FRAME, budget: Budget | None = None) -> None:
-        self._buffer = bytearray()
-        self._frames: collections.deque[bytes] = collections.deque()
-        self.limit = limit
-        self.budget = budget
-
-    def feed(self, data: bytes) -> None:
-        if self.budget is not None:
-            self.budget.charge(len(data))
-        before = len(self._buffer)
-        self._buffer += data
-        try:
-            while len(self._buffer) >= _LENGTH.size:
-                (length,) = _LENGTH.unpack_from(self._buffer)
-                if length > self.limit:
-                    raise InvalidArgument("frame too large", size=length, limit=self.limit)
-                if len(self._buffer) < _LENGTH.size + length:
-                    break
-                self._frames.append(bytes(self._buffer[_LENGTH.size : _LENGTH.size + length]))
-                del self._buffer[: _LENGTH.size + length]
-        finally:
-            if self.budget is not None:
-                self.budget.charge(len(self._buffer) - before - len(data))
-
-    def charge_to(self, budget: Budget) -> None:
-        """From now on, what waits here counts against `budget`."""
-        budget.charge(len(self._buffer))
-        self.budget = budget
-
-    def release(self) -> None:
-        """The connection ended: its unfinished frame no longer counts."""
-        if self.budget is not None:
-            self.budget.charge(-len(self._buffer))
-            self.budget = None
-        self._buffer.clear()
-
-    def next_frame(self) -> bytes | None:
-        return self._frames.popleft() if self._frames else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -242,21 +168,8 @@ def parse_request(message: dict[str, Any]) -> Request:
 
 
 def parse_reply(message: dict[str, Any]) -> Reply:
-    seq = _field(message, "seq", int)
-    if message.get("ok") is True:
-        return Reply(seq, True, message.get("result"), None)
-    error = message.get("error")
-    if not isinstance(error, dict):
-        raise InvalidArgument("malformed error reply")
-    return Reply(seq, False, None, error_from_wire(error))
-
-
-def check_ok(message: dict[str, Any]) -> dict[str, Any]:
-    """A hello answer or control reply, or the error it carries, raised."""
-    if message.get("ok") is not True:
-        error = message.get("error")
-        raise error_from_wire(error if isinstance(error, dict) else {})
-    return message
+    seq, result, error = reply_parts(message)
+    return Reply(seq, error is None, result, error)
 
 
 def ok_reply(seq: int, result: Any) -> dict[str, Any]:
@@ -265,11 +178,3 @@ def ok_reply(seq: int, result: Any) -> dict[str, Any]:
 
 def error_reply(seq: int, error: SlatesError) -> dict[str, Any]:
     return {"seq": seq, "ok": False, "error": error.to_wire()}
-
-
-def shard_of(object_id: str) -> int:
-    """The shard that owns a volume, snapshot or manifest id ("vol-<shard>-<n>", ...)."""
-    parts = object_id.split("-")
-    if len(parts) != 3 or parts[0] not in ("vol", "snap", "man") or not parts[1].isdigit():
-        raise InvalidArgument("malformed volume, snapshot or manifest id", id=object_id)
-    return int(parts[1])

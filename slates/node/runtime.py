@@ -7,18 +7,28 @@ service by reading the state file; nothing else is shared through the file
 system.  The directory is chosen by, in order: an explicit argument,
 $SLATES_RUNTIME_DIR, /run/slates for root, $XDG_RUNTIME_DIR/slates, and
 /tmp/slates-<uid>.  Called by the anchor, shards, SDK and CLI.
+
+Start-up: every `slates` command and every mount bridge imports this
+module, so it loads no pathlib (with urllib.parse and ipaddress behind it,
+~5 ms): `Runtime.directory` is the directory as a string and
+`Runtime.file(name)` a file in it, which is all a client reads the state
+file and reaches the anchor with; `Runtime.path` and the other Path
+properties build a pathlib.Path when first asked for.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slates.errors import AccessDenied, InvalidArgument, NotFound
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 __all__ = [
     "Runtime",
@@ -31,15 +41,21 @@ __all__ = [
 
 
 def default_runtime_dir() -> Path:
+    from pathlib import Path
+
+    return Path(_default_directory())
+
+
+def _default_directory() -> str:
     explicit = os.environ.get("SLATES_RUNTIME_DIR")
     if explicit:
-        return Path(explicit)
+        return explicit
     if os.geteuid() == 0:
-        return Path("/run/slates")
+        return "/run/slates"
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
-        return Path(xdg) / "slates"
-    return Path(f"/tmp/slates-{os.geteuid()}")
+        return os.path.join(xdg, "slates")
+    return f"/tmp/slates-{os.geteuid()}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +126,19 @@ class AnchorState:
 
 class Runtime:
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
-        self.path = Path(path) if path is not None else default_runtime_dir()
+        self.directory: str = os.fspath(path) if path is not None else _default_directory()
         self.agent_group: int | None = None  # set by prepare: the group the state file is read by
+
+    @functools.cached_property
+    def path(self) -> Path:
+        """The runtime directory as a pathlib.Path (pathlib loads here, on first use)."""
+        from pathlib import Path
+
+        return Path(self.directory)
+
+    def file(self, name: str) -> str:
+        """The path of the file `name` in the runtime directory, as a string."""
+        return os.path.join(self.directory, name)
 
     @property
     def state_file(self) -> Path:
@@ -198,7 +225,8 @@ class Runtime:
 
     def read_state(self) -> AnchorState:
         try:
-            data = json.loads(self.state_file.read_text())
+            with open(self.file("anchor.json"), "rb") as state_file:
+                data = json.loads(state_file.read())
         except FileNotFoundError:
             raise NotFound(
                 "no Slates anchor is running here; start one with `slates anchor`",

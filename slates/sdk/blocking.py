@@ -5,6 +5,12 @@ is sent and what a reply means is slates.sdk.session's, shared by both),
 over plain blocking sockets on the caller's thread.  A shard connection is
 opened on first use: hello, the ring pair when rings were asked for, then
 one request at a time (a threading lock, so threads may share a Client).
+Without rings the connection's first request, when small (ALONG_MOST),
+goes in the same send as the hello (the shard reads its stream in order,
+and a refused hello discards what follows), so a command's first request
+to a shard costs one round trip, not two.  Closing sends every socket
+connection's goodbye before awaiting any answer (one wait, not one per
+shard).
 If the shard dies or the connection breaks, the request reconnects and is
 resent unchanged, within slates.sdk.session.Reconnect's bound; a request
 interrupted otherwise (KeyboardInterrupt, a corrupt ring) closes its
@@ -26,19 +32,19 @@ C extension) is imported only by connections that use rings.
 
 from __future__ import annotations
 
+import _socket  # socket's C half: socket.py's enums cost a command ~3 ms at start-up
 import contextlib
 import select
-import socket
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from slates.errors import SlatesError
-from slates.node.protocol import FrameReader, frame
 from slates.sdk.session import (
     FDS_SPACE,
     ConnectionLost,
+    Outgoing,
     Reconnect,
     ShardSession,
     control_message,
@@ -46,6 +52,7 @@ from slates.sdk.session import (
     received_fds,
 )
 from slates.sdk.transport import syncfs
+from slates.wire import FrameReader, frame
 
 __all__ = ["BYE_SECONDS", "BlockingShardConnection", "BlockingTransport"]
 
@@ -54,6 +61,10 @@ BYE_SECONDS = 5.0
 WATCH_FIRST = 0.001
 WATCH_MOST = 0.02
 RING_FULL_WAIT = 0.0005
+ALONG_MOST = 16 << 10
+"""The largest first request that rides in the hello's send: the shard reads a hello's
+stream with a 64 KiB frame limit (slates.node.shard.MAX_HELLO), which a frame behind
+the hello must fit too; a larger one waits for the hello's answer."""
 _RECV = 1 << 16
 
 
@@ -63,16 +74,20 @@ class BlockingShardConnection:
     def __init__(self, path: str, session: ShardSession) -> None:
         self.path = path
         self.session = session
-        self.sock: socket.socket | None = None
+        self.sock: _socket.socket | None = None
         self.pair: Any = None  # a slates.node.ring.RingPair once connected with rings
         self.reader = FrameReader()
         self.lock = threading.Lock()
 
-    def _connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    def _connect(self, first: bytes) -> bool:
+        """Connect and say hello.  Without rings a request `first` of at most ALONG_MOST
+        bytes rides in the hello's send (the shard reads it after the hello, from the same
+        stream), saving a round trip; True then, and its reply is the next frame."""
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+        along = not self.session.rings and len(first) <= ALONG_MOST
         try:
             sock.connect(self.path)
-            sock.sendall(self.session.hello())
+            sock.sendall(self.session.hello() + frame(first) if along else self.session.hello())
             self.reader = FrameReader()
             fds: list[int] = []
             while (answer := self.reader.next_frame()) is None:
@@ -90,6 +105,7 @@ class BlockingShardConnection:
             sock.close()
             raise
         self.sock = sock
+        return along
 
     def close(self) -> None:
         if self.pair is not None:
@@ -99,7 +115,13 @@ class BlockingShardConnection:
             self.sock.close()
             self.sock = None
 
-    def _read_frame(self, sock: socket.socket) -> bytes:
+    def _sent_along(self) -> bytes:
+        """The reply to the request that rode in the hello's send."""
+        if self.sock is None:
+            raise ConnectionLost()
+        return self._read_frame(self.sock)
+
+    def _read_frame(self, sock: _socket.socket) -> bytes:
         while (payload := self.reader.next_frame()) is None:
             data = sock.recv(_RECV)
             if not data:
@@ -107,7 +129,7 @@ class BlockingShardConnection:
             self.reader.feed(data)
         return payload
 
-    def _socket_frame(self, sock: socket.socket, watch: select.poll) -> bytes | None:
+    def _socket_frame(self, sock: _socket.socket, watch: select.poll) -> bytes | None:
         """A frame that came on the socket meanwhile (None if none yet), without blocking."""
         while watch.poll(0):
             data = sock.recv(_RECV)
@@ -155,9 +177,10 @@ class BlockingShardConnection:
             reconnect = Reconnect(time.monotonic(), self.path)
             while True:
                 try:
-                    if self.sock is None:
-                        self._connect()
-                    payload = self._exchange(outgoing.message)
+                    if self.sock is None and self._connect(outgoing.message):
+                        payload = self._sent_along()
+                    else:
+                        payload = self._exchange(outgoing.message)
                     break
                 except (OSError, ConnectionLost):
                     self.close()
@@ -167,16 +190,33 @@ class BlockingShardConnection:
                     raise
             return self.session.finish(outgoing, payload)
 
-    def bye(self) -> None:
-        """Goodbye on the open connection, once and within BYE_SECONDS (no reconnect:
-        a shard that restarted has forgotten this client already); then disconnect."""
-        with self.lock:
-            if self.sock is not None:
-                outgoing = self.session.start("bye", {})
-                with contextlib.suppress(SlatesError, OSError, ConnectionLost):
-                    payload = self._exchange(outgoing.message, time.monotonic() + BYE_SECONDS)
-                    self.session.finish(outgoing, payload)
-            self.close()
+    def send_bye(self, deadline: float) -> Outgoing | None:
+        """Goodbye's first half, under the caller's hold of `lock`: sent now on a socket
+        connection (a ring connection sends it in `finish_bye`); None when no
+        connection is open (no reconnect: a shard that restarted has forgotten this
+        client already)."""
+        if self.sock is None:
+            return None
+        outgoing = self.session.start("bye", {})
+        if self.pair is None:
+            try:
+                self.sock.settimeout(max(0.0, deadline - time.monotonic()))
+                self.sock.sendall(frame(outgoing.message))
+            except OSError:
+                self.close()
+                return None
+        return outgoing
+
+    def finish_bye(self, outgoing: Outgoing | None, deadline: float) -> None:
+        """Goodbye's second half: its answer, awaited until `deadline`; then disconnect."""
+        with contextlib.suppress(SlatesError, OSError, ConnectionLost):
+            if outgoing is not None and self.sock is not None:
+                if self.pair is None:
+                    payload = self._read_frame(self.sock)
+                else:
+                    payload = self._exchange(outgoing.message, deadline)
+                self.session.finish(outgoing, payload)
+        self.close()
 
 
 def _check(deadline: float | None) -> None:
@@ -203,7 +243,8 @@ class BlockingTransport:
         return self.shards[shard].request(op, args)
 
     async def control(self, path: str, request: dict[str, Any]) -> Any:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+        try:
             try:
                 sock.connect(path)
             except OSError:
@@ -217,6 +258,8 @@ class BlockingTransport:
                 if not data:
                     raise SlatesError("the anchor closed the connection")
                 reader.feed(data)
+        finally:
+            sock.close()
         return control_result(payload)
 
     async def syncfs(self, directory: str, timeout: float | None) -> None:
@@ -242,5 +285,13 @@ class BlockingTransport:
             raise failure[0]
 
     async def close(self) -> None:
-        for shard in self.shards:
-            shard.bye()
+        """Goodbye to every connected shard, at most BYE_SECONDS in all: each socket
+        connection's goodbye is sent before any answer is awaited, so closing waits
+        for the slowest shard rather than for each in turn."""
+        deadline = time.monotonic() + BYE_SECONDS
+        with contextlib.ExitStack() as held:
+            for shard in self.shards:
+                held.enter_context(shard.lock)
+            sent = [(shard, shard.send_bye(deadline)) for shard in self.shards]
+            for shard, outgoing in sent:
+                shard.finish_bye(outgoing, deadline)

@@ -30,11 +30,10 @@ takes one request at a time.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
-import socket
 from collections.abc import Callable, Coroutine, Sequence
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
@@ -46,11 +45,11 @@ from slates.errors import (
     SnapshotBarrierFailed,
     VerificationFailed,
 )
-from slates.node.protocol import shard_of
 from slates.node.runtime import MountInfo, Runtime
 from slates.sdk.names import Role, check_reference, is_volume_id, pick_volume
 from slates.sdk.session import RECONNECT_SECONDS
 from slates.sdk.transport import Transport
+from slates.wire import shard_of
 
 __all__ = ["AsyncClient", "Client", "RECONNECT_SECONDS"]
 
@@ -64,6 +63,18 @@ def _size(value: int | None, what: str) -> int | None:
     if value is not None and (not isinstance(value, int) or value <= 0):
         raise InvalidArgument(f"{what} must be a positive number of bytes", value=str(value))
     return value
+
+
+def _resolved(path: str | os.PathLike[str]) -> str:
+    """`str(Path(path).resolve())` without pathlib (a command's start-up would pay ~5 ms
+    for it): absolute, symlinks resolved; a symlink loop is RuntimeError, as there."""
+    resolved = os.path.realpath(path)
+    try:
+        os.stat(resolved)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RuntimeError(f"Symlink loop from {exc.filename!r}") from None
+    return resolved
 
 
 def _mount_view(mount: MountInfo) -> dict[str, Any]:
@@ -89,8 +100,9 @@ class AsyncClient:
         """`token`: an agent's credential (`slates agent add`); default $SLATES_TOKEN,
         else none: the client acts as the operator (the anchor's own user)."""
         self.runtime = Runtime(runtime_dir)
-        # Unique enough to keep clients apart; os.urandom spares the CLI importing uuid.
-        self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+        # Unique enough to keep clients apart; os.urandom spares the CLI importing uuid, and
+        # uname's node name (what gethostname returns) importing socket.
+        self.client_id = client_id or f"{os.uname().nodename}-{os.getpid()}-{os.urandom(4).hex()}"
         self.rings = rings
         self.token = token if token is not None else os.environ.get("SLATES_TOKEN") or None
         self._forwarder: Any = None  # slates.fleet.link_client.Forwarder, made on first use
@@ -170,7 +182,8 @@ class AsyncClient:
     def _fleet_host(self) -> str | None:
         """This host's id in its fleet (the fleet link's state file), None without one."""
         try:
-            found = json.loads((self.runtime.path / "fleet-link.json").read_text())
+            with open(self.runtime.file("fleet-link.json"), "rb") as state:
+                found = json.loads(state.read())
         except (OSError, ValueError):
             return None
         host = found.get("host") if isinstance(found, dict) else None
@@ -207,8 +220,11 @@ class AsyncClient:
             shards.append(shard)
         mounts = [_mount_view(m) for m in state.mounts]
         lost: Any = None  # what the previous anchor took with it when it died, if one did
-        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-            lost = json.loads(self.runtime.lost_file.read_text())
+        with (
+            contextlib.suppress(FileNotFoundError, json.JSONDecodeError),
+            open(self.runtime.file("lost.json"), "rb") as lost_file,
+        ):
+            lost = json.loads(lost_file.read())
         return {
             "anchor_pid": state.pid,
             "capacity": state.capacity,
@@ -222,7 +238,7 @@ class AsyncClient:
         an agent mounts and unmounts as itself."""
         if self.token is not None:
             request = {**request, "token": self.token}
-        return await self._opened().control(str(self.runtime.anchor_socket), request)
+        return await self._opened().control(self.runtime.file("anchor.sock"), request)
 
     async def mount(
         self,
@@ -247,7 +263,7 @@ class AsyncClient:
         request: dict[str, Any] = {
             "op": "mount",
             "volume": volume,
-            "directory": str(Path(directory).resolve()),
+            "directory": _resolved(directory),
             "writeback": writeback,
         }
         if allow_other:  # sent only when asked, so an ordinary mount sends what it always did
@@ -259,7 +275,7 @@ class AsyncClient:
         self, directory: str | os.PathLike[str], *, force: bool = False
     ) -> dict[str, Any]:
         """Flush and detach a mount; refused while a process uses it, unless forced (lazy)."""
-        path = str(Path(directory).resolve())
+        path = _resolved(directory)
         with contextlib.suppress(OSError):
             await self._opened().syncfs(path, None)
         result: dict[str, Any] = await self._anchor(
@@ -307,7 +323,7 @@ class AsyncClient:
             "capture": capture,
         }
         if base is not None:
-            args["base"] = str(Path(base).resolve())
+            args["base"] = _resolved(base)
         if from_snapshot is not None:
             args["from"] = from_snapshot
         if _size(bounded, "bounded") is not None:
@@ -440,7 +456,7 @@ class AsyncClient:
         if keep is not None:
             args["keep"] = keep
         if base is not None:
-            args["base"] = str(Path(base).resolve())
+            args["base"] = _resolved(base)
         for key, value in (("bounded", bounded), ("dynamic", dynamic)):
             if _size(value, key) is not None:
                 args[key] = value
@@ -601,7 +617,7 @@ class AsyncClient:
 
         Landing it needs a human's approval (`slates land approve MANIFEST`).
         """
-        args: dict[str, Any] = {"volume": volume, "target": str(Path(target).resolve())}
+        args: dict[str, Any] = {"volume": volume, "target": _resolved(target)}
         if paths is not None:
             args["paths"] = list(paths)
         if version is not None:

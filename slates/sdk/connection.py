@@ -30,7 +30,6 @@ from typing import Any
 import trio
 
 from slates.errors import SlatesError
-from slates.node.protocol import FrameReader, frame
 from slates.sdk.session import (
     FDS_SPACE,
     RECONNECT_SECONDS,
@@ -43,6 +42,7 @@ from slates.sdk.session import (
     received_fds,
 )
 from slates.sdk.transport import syncfs
+from slates.wire import FrameReader, frame
 
 __all__ = ["BYE_SECONDS", "RECONNECT_SECONDS", "ShardConnection", "TrioTransport", "send_all"]
 

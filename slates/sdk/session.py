@@ -27,15 +27,15 @@ transports only.
 
 from __future__ import annotations
 
-import array
+import _socket  # socket's C half: socket.py's enums cost a command ~3 ms at start-up
 import dataclasses
 import os
-import socket
+import sys
 from collections.abc import Iterable
 from typing import Any
 
 from slates.errors import SlatesError, VerificationFailed
-from slates.node.protocol import check_ok, frame, pack, parse_reply, unpack
+from slates.wire import check_ok, frame, pack, reply_parts, unpack
 
 __all__ = [
     "FDS_SPACE",
@@ -56,7 +56,8 @@ RECONNECT_SECONDS = 30.0
 RETRY_FIRST = 0.01
 RETRY_MOST = 0.5
 RING_FDS = 4
-FDS_SPACE = socket.CMSG_SPACE(RING_FDS * array.array("i").itemsize)
+_FD_SIZE = 4  # a descriptor in SCM_RIGHTS is a C int
+FDS_SPACE = _socket.CMSG_SPACE(RING_FDS * _FD_SIZE)
 """Ancillary buffer for a hello answer: room for a ring pair's four descriptors."""
 
 
@@ -76,8 +77,12 @@ def received_fds(ancillary: Iterable[tuple[int, int, bytes]]) -> list[int]:
     """The descriptors passed with a message (SCM_RIGHTS), from recvmsg's ancillary data."""
     fds: list[int] = []
     for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(array.array("i", payload[: len(payload) // 4 * 4]))
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            whole = len(payload) // _FD_SIZE * _FD_SIZE
+            fds.extend(
+                int.from_bytes(payload[at : at + _FD_SIZE], sys.byteorder, signed=True)
+                for at in range(0, whole, _FD_SIZE)
+            )
     return fds
 
 
@@ -126,13 +131,13 @@ class ShardSession:
 
     def finish(self, outgoing: Outgoing, payload: bytes) -> Any:
         """The result of `outgoing` from its reply, or the error the reply carries."""
-        reply = parse_reply(unpack(payload))
-        if reply.seq != outgoing.seq:
+        seq, result, error = reply_parts(unpack(payload))
+        if seq != outgoing.seq:
             raise VerificationFailed("a reply answered another request", expected=outgoing.seq)
         self.acked = outgoing.seq
-        if reply.error is not None:
-            raise reply.error
-        return reply.result
+        if error is not None:
+            raise error
+        return result
 
 
 class Reconnect:
