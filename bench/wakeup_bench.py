@@ -13,7 +13,11 @@ of a fresh workspace (every one a LOOKUP), single-threaded, in
 - fuse-overlayfs and a Slates mount, free to run anywhere (as users run),
 - the same two with the caller and every server thread pinned to CPU 0
   (`sched_setaffinity`), which no product can do to its callers: what a
-  per-CPU transport (FUSE over io_uring, one queue per CPU) could reach.
+  per-CPU transport (FUSE over io_uring, one queue per CPU) could reach;
+- a Slates mount served over FUSE-over-io_uring (a second anchor whose
+  bridges get SLATES_FUSE_URING=1; the kernel's enable_uring is set to Y for
+  the run and put back after it), free to run anywhere: that transport.
+  Its column is left out on kernels without enable_uring.
 
 A fresh workspace each round (nothing cached), medians, ratios to kernel
 overlayfs.  Root, two or more CPUs, fuse-overlayfs installed:
@@ -41,7 +45,10 @@ from benchlib import (
 )
 
 from slates import Client
+from slates.fuse.bridge import read_counters
 from slates.node.anchor import spawn_anchor, stop_process
+
+ENABLE_URING = Path("/sys/module/fuse/parameters/enable_uring")
 
 # The child that stats every path: its own process, so that it can be pinned.
 _LSTAT_ALL = """
@@ -89,6 +96,15 @@ def lstat_all(where: Path, paths: list[str], cpu: int | None) -> float:
     return float(done.stdout)
 
 
+def require_rings(runtime: Path, volume: str) -> None:
+    """Raise unless the volume's bridge served its requests over io_uring (else the
+    column would measure /dev/fuse: the bridge falls back when the rings fail)."""
+    (path,) = runtime.glob(f"counters-{volume}-*")
+    counts = read_counters(path)
+    if counts["uring_requests"] < counts["LOOKUP"]:
+        raise RuntimeError(f"the io_uring mount used /dev/fuse: {counts}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", type=Path, required=True, help="a source tree (e.g. git/git)")
@@ -111,6 +127,22 @@ def main(argv: list[str] | None = None) -> int:
         client = Client(top / "run")
         cleanup.push(client.close)
         client.status()
+        uring_client: Client | None = None
+        if ENABLE_URING.exists():
+            enable_before = ENABLE_URING.read_text().strip()
+            ENABLE_URING.write_text("Y")  # bridges read it when they mount
+            cleanup.push(lambda: ENABLE_URING.write_text(enable_before))
+            uring_anchor = spawn_anchor(
+                top / "run-uring",
+                shards=2,
+                capacity="4GiB",
+                log=log,
+                env={"SLATES_FUSE_URING": "1"},
+            )
+            cleanup.push(lambda: stop_process(uring_anchor, timeout=30))
+            uring_client = Client(top / "run-uring")
+            cleanup.push(uring_client.close)
+            uring_client.status()
 
         def overlay(where: Path, scope: Cleanup) -> int | None:
             mount_overlay(tree, where / "upper", where / "work", where / "merged", scope)
@@ -121,13 +153,24 @@ def main(argv: list[str] | None = None) -> int:
             process = spawn_fuse_overlayfs(lower, upper, work, where / "merged", scope)
             return process.pid
 
-        def slates(where: Path, scope: Cleanup) -> int | None:
-            volume = client.create_volume(f"w{where.name}", base=tree)["id"]
-            scope.push(lambda: client.delete_volume(volume))
-            (where / "merged").mkdir(parents=True)
-            mounted = client.mount(volume, where / "merged")
-            scope.push(lambda: client.unmount(where / "merged", force=True))
-            return int(mounted["pid"])
+        def slates_with(
+            through: Client, runtime: Path | None = None
+        ) -> Callable[[Path, Cleanup], int | None]:
+            """Mounts of `through`'s anchor; with its runtime, checked to be served by rings."""
+
+            def slates(where: Path, scope: Cleanup) -> int | None:
+                volume = through.create_volume(f"w{where.name}", base=tree)["id"]
+                scope.push(lambda: through.delete_volume(volume))
+                (where / "merged").mkdir(parents=True)
+                mounted = through.mount(volume, where / "merged")
+                scope.push(lambda: through.unmount(where / "merged", force=True))
+                if runtime is not None:
+                    scope.push(lambda: require_rings(runtime, volume))
+                return int(mounted["pid"])
+
+            return slates
+
+        slates = slates_with(client)
 
         kinds: list[tuple[str, Callable[[Path, Cleanup], int | None], bool]] = [
             ("overlayfs", overlay, False),
@@ -136,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             ("slates", slates, False),
             ("slates, pinned", slates, True),
         ]
+        if uring_client is not None:
+            io_uring = slates_with(uring_client, top / "run-uring")
+            kinds.append(("slates, io_uring", io_uring, False))
         for round_ in range(args.rounds):
             for name, make, pinned in kinds:  # interleaved: load drifts alike for all
                 where = top / f"{round_}-{len(samples.get(name, []))}-{name.replace(' ', '')}"

@@ -43,6 +43,7 @@
 #define BRIDGE_STAT_CLEAN_MISSES 68 /* clean-file entries that failed their check */
 #define BRIDGE_STAT_META_ANSWERS 69 /* LOOKUP/GETATTR/READLINK/ACCESS answered from the base */
 #define BRIDGE_STAT_ATTR_ANSWERS 70 /* GETATTRs answered from a mutation's reply */
+#define BRIDGE_STAT_URING_REQUESTS 71 /* kernel requests that came over io_uring */
 #define BRIDGE_COUNTERS 72
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
 
@@ -77,6 +78,15 @@ int bridge_set_base(int dir_fd);
  * BRIDGE_MAX_LOOP_THREADS (default BRIDGE_LOOP_THREADS); requests that go to
  * the shard still go one at a time.  Call before bridge_mount. */
 int bridge_set_threads(unsigned n);
+
+/* Serve the kernel over FUSE-over-io_uring (bridge_uring.c) when `on` and
+ * the process is root and /sys/module/fuse/parameters/enable_uring is Y
+ * (else, or with auto_unmount, the /dev/fuse loop alone, as by default; the
+ * reason is logged).  Call before bridge_mount; -EBUSY after. */
+int bridge_set_uring(int on);
+/* 1 while every io_uring queue's thread has submitted its entries
+ * registration and not ended (a refused registration ends it), else 0. */
+int bridge_uring_active(void);
 
 /* Create the session and mount it on `mountpoint`. */
 int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback);

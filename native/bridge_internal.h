@@ -28,9 +28,13 @@
  *                     invalidation notices, unmount.
  *
  *   bridge_loop.c     the loop threads reading /dev/fuse, and stopping them.
+ *   bridge_uring.c    FUSE-over-io_uring (bridge_set_uring): the mount(2),
+ *                     libfuse's custom transport, one pinned ring thread per
+ *                     CPU running the same callbacks.
  *
  * Threads: BRIDGE_LOOP_THREADS loop threads (bridge_loop.c) read /dev/fuse
- * and run the callbacks concurrently.  Everything in bridge_wire.c and
+ * and run the callbacks concurrently (in io_uring mode, the ring threads of
+ * bridge_uring.c run them too, under the same rules).  Everything in bridge_wire.c and
  * bridge_link.c (the link, the codec buffers, the decoded reply: the state
  * below) belongs to the thread holding the link lock: a callback that goes
  * to the shard takes it (link_lock) before it binds, taints, drops or
@@ -335,6 +339,19 @@ BRIDGE_INTERNAL char *meta_child_path(uint64_t dir, const char *name);
 BRIDGE_INTERNAL int meta_readdirplus(fuse_req_t req, uint64_t dir, size_t size, uint64_t off);
 BRIDGE_INTERNAL uint64_t meta_cookie(const char *name, size_t len);
 BRIDGE_INTERNAL int meta_prepare_child(uint64_t parent, const char *name);
+
+/* -- bridge_uring.c ------------------------------------------------------------ */
+
+/* Mount `se` itself with io_uring's transport when asked and allowed: 0
+ * (mounted), 1 (not used: mount the ordinary way), or -errno. */
+BRIDGE_INTERNAL int uring_mount(struct fuse_session *se, const char *mountpoint, int allow_other,
+                                int auto_unmount);
+/* After INIT is answered: start the ring threads; how many (0: none). */
+BRIDGE_INTERNAL int uring_start(void);
+/* Stop and join the ring threads (idempotent). */
+BRIDGE_INTERNAL void uring_stop(void);
+/* Detach the mount uring_mount made (before fuse_session_destroy). */
+BRIDGE_INTERNAL void uring_unmount(void);
 
 /* -- bridge_ops.c ------------------------------------------------------------- */
 

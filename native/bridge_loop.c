@@ -26,6 +26,10 @@
  * ends it within the link's shutdown grace.  The first loop error other
  * than ENODEV is bridge_run's result.
  *
+ * In io_uring mode (bridge_uring.c) the ring threads start once INIT is
+ * answered and serve most requests; this loop then sees only FORGET,
+ * BATCH_FORGET and INTERRUPT, and its end stops them (uring_stop).
+ *
  * Bounded: at most BRIDGE_MAX_LOOP_THREADS threads, each with one request
  * buffer (libfuse's, max_write plus headers) and one clean-read buffer.
  */
@@ -166,6 +170,8 @@ int bridge_run(int ready_fd)
             break;
         inited = served > 0 && opcode == BRIDGE_OP_INIT;
     }
+    if (!loop_over())
+        uring_start(); /* io_uring mode only: rings serve once every queue registers */
     signal_ready(&ready_fd);
     pthread_t ids[BRIDGE_MAX_LOOP_THREADS];
     unsigned started = 0;
@@ -178,6 +184,7 @@ int bridge_run(int ready_fd)
         ;
     fuse_session_exit(g_bridge.se);
     join_workers(ids, started);
+    uring_stop();
     g_running = 0;
     free(fbuf.mem);
     clean_thread_done();

@@ -6,7 +6,8 @@
  * with bridge_ops (bridge_ops.c) and mounts it (default_permissions: the
  * kernel checks modes, so the shard never sees ACCESS for plain opens);
  * bridge_run (bridge_loop.c) serves it on several threads until a signal
- * or an external unmount ends it.
+ * or an external unmount ends it.  With bridge_set_uring, uring_mount
+ * (bridge_uring.c) mounts instead, with its own transport, when allowed.
  *
  * bridge_notify_inval_* run on the Python watcher thread while the loop
  * runs (libfuse's notify calls are safe from another thread): the shard
@@ -51,7 +52,12 @@ int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int 
     fuse_opt_free_args(&args);
     if (se == NULL)
         return -EINVAL;
-    if (fuse_session_mount(se, mountpoint) != 0) {
+    int rc = uring_mount(se, mountpoint, allow_other, auto_unmount);
+    if (rc < 0) {
+        fuse_session_destroy(se);
+        return rc;
+    }
+    if (rc > 0 && fuse_session_mount(se, mountpoint) != 0) {
         fuse_session_destroy(se);
         return -EIO;
     }
@@ -87,7 +93,8 @@ int bridge_notify_inval_entry(uint64_t parent, const char *name, size_t namelen)
 void bridge_unmount(void)
 {
     if (g_bridge.se != NULL) {
-        fuse_session_unmount(g_bridge.se);
+        uring_unmount();                  /* when bridge_uring.c mounted it */
+        fuse_session_unmount(g_bridge.se); /* when libfuse did */
         fuse_session_destroy(g_bridge.se); /* DESTROY's callback may take the link */
         g_bridge.se = NULL;
         link_release();

@@ -4,7 +4,7 @@ One extension holds both the shared-memory rings (ring.c) and the FUSE
 mount bridge (bridge_*.c, libfuse3 low-level API + msgpack-c), so the bridge
 and the Python ring code share one copy of the ring implementation.  Build
 needs the libfuse3 and msgpack-c headers (Debian: libfuse3-dev,
-libmsgpack-dev) and pkg-config.
+libmsgpack-dev) liburing (liburing-dev, for FUSE-over-io_uring) and pkg-config.
 
 setup.py finds `ffibuilder` through cffi_modules; running this file directly
 builds the extension in place (slates/_native*.so) for a source checkout:
@@ -68,6 +68,7 @@ SOURCES = (
     "bridge_ops.c",
     "bridge_session.c",
     "bridge_loop.c",
+    "bridge_uring.c",
 )
 HEADERS = ("ring.h", "bridge.h", "bridge_internal.h")
 
@@ -105,6 +106,7 @@ ffibuilder.cdef(
     #define BRIDGE_STAT_CLEAN_MISSES ...
     #define BRIDGE_STAT_META_ANSWERS ...
     #define BRIDGE_STAT_ATTR_ANSWERS ...
+    #define BRIDGE_STAT_URING_REQUESTS ...
     #define BRIDGE_RECONNECT_SECONDS ...
     #define BRIDGE_MAX_IO ...
     #define BRIDGE_LOOP_THREADS ...
@@ -119,6 +121,8 @@ ffibuilder.cdef(
     int bridge_set_cache_timeout(double seconds);
     int bridge_set_base(int dir_fd);
     int bridge_set_threads(unsigned n);
+    int bridge_set_uring(int on);
+    int bridge_uring_active(void);
     int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback);
     int bridge_run(int ready_fd);
     void bridge_exit(void);
@@ -154,7 +158,11 @@ ffibuilder.set_source(
         *_include_dirs("msgpack"),  # Debian's headers are in /usr/include
     ],
     # msgpack-c names its C library msgpackc up to 4.x (Debian 12), msgpack-c from 6.x.
-    libraries=[*_libraries("fuse3", "fuse3"), *_libraries("msgpack", "msgpackc")],
+    libraries=[
+        *_libraries("fuse3", "fuse3"),
+        *_libraries("msgpack", "msgpackc"),
+        *_libraries("liburing", "uring"),  # Debian: liburing-dev
+    ],
     depends=[_relative(_HERE / name) for name in HEADERS],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror"],
 )

@@ -49,6 +49,16 @@ native/bridge_loop.c) may read /dev/fuse: what C answers alone runs side by
 side, while requests to the shard still go one at a time, because the ring
 link keeps one request in flight and the shard applies a volume's requests
 in order.
+FUSE-over-io_uring (issue 14): with $SLATES_FUSE_URING=1, when the bridge
+runs as root and /sys/module/fuse/parameters/enable_uring is Y (and no
+--auto-unmount), C mounts with mount(2) itself and, once INIT is answered,
+serves the kernel on one io_uring queue per CPU, each thread pinned to its
+CPU: the kernel queues a request on its caller's CPU, so the round trip
+needs no cross-CPU wake-up (native/bridge_uring.c).  The same callbacks run
+there under the same rules (one shard request at a time); /dev/fuse still
+carries INIT, FORGET and INTERRUPT.  Otherwise, or when the rings cannot be
+set up, the /dev/fuse loop serves alone, as by default, and stderr says why.
+The "uring_requests" counter counts the requests that came over the rings.
 LOOKUP, GETATTR, READLINK, ACCESS, LSEEK and READDIRPLUS of untouched
 base entries never reach the shard either: the shard marks directories that
 hold nothing private ("dir" in an ATTR), and C answers their names from the
@@ -150,6 +160,7 @@ from slates.node.runtime import Runtime
 # saves the shard an eventfd write and the bridge a wake-up per request.
 REPLY_SPIN_NS = 100_000
 THREADS_ENV = "SLATES_BRIDGE_THREADS"  # loop_threads()
+URING_ENV = "SLATES_FUSE_URING"  # uring_wanted()
 
 __all__ = [
     "COUNTER_SLOTS",
@@ -159,12 +170,14 @@ __all__ = [
     "REPLY_LIMIT",
     "STATS",
     "THREADS_ENV",
+    "URING_ENV",
     "JOB_LIMIT",
     "Bridge",
     "MountJob",
     "check_mountpoint",
     "kernel_requests",
     "loop_threads",
+    "uring_wanted",
     "KERNEL_OPS",
     "hello",
     "main",
@@ -243,6 +256,7 @@ STATS: dict[int, str] = {
     lib.BRIDGE_STAT_CLEAN_MISSES: "clean_misses",
     lib.BRIDGE_STAT_META_ANSWERS: "meta_answers",
     lib.BRIDGE_STAT_ATTR_ANSWERS: "attr_answers",
+    lib.BRIDGE_STAT_URING_REQUESTS: "uring_requests",
 }
 
 
@@ -657,6 +671,8 @@ def run_bridge(
     bridge = Bridge(Runtime(runtime_dir), volume, token=token)
     bridge.configure(spin_ns)
     bridge.use_threads(loop_threads())
+    if uring_wanted() and lib.bridge_set_uring(1) < 0:
+        raise InvalidArgument("cannot ask for FUSE-over-io_uring after mounting")
     if uncached and lib.bridge_set_cache_timeout(0.0) < 0:
         raise InvalidArgument("cannot turn the kernel's entry and attribute caches off")
     if counters is not None:
@@ -700,6 +716,20 @@ def loop_threads() -> int:
         return int(raw)
     except ValueError:
         raise InvalidArgument(f"{THREADS_ENV} is a thread count", value=raw) from None
+
+
+def uring_wanted() -> bool:
+    """Whether $SLATES_FUSE_URING asks for FUSE-over-io_uring ("1"; unset, "" or "0": no).
+
+    Asking is not enough: C uses it only as root with the kernel's
+    enable_uring set, and logs why not otherwise (native/bridge_uring.c).
+    """
+    raw = os.environ.get(URING_ENV, "")
+    if raw in ("", "0"):
+        return False
+    if raw == "1":
+        return True
+    raise InvalidArgument(f"{URING_ENV} is 1 or 0", value=raw)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
