@@ -137,17 +137,25 @@ def test_mount_refuses_bad_directories(service: Service, tmp_path: Path) -> None
 
 
 def test_a_dead_bridge_leaves_no_stale_mount(service: Service, tmp_path: Path) -> None:
+    """A bridge killed with SIGKILL: the anchor either mounts the volume again with a
+    fresh bridge (README: the agent sees a pause) or, when that fails, removes the
+    mount; it never keeps listing a mount whose bridge is dead."""
     with Client(service.runtime) as client:
         volume = client.create_volume("dies")
         where = tmp_path / "mnt"
         where.mkdir()
         info = client.mount(volume["id"], where)
         os.kill(info["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while client.status()["mounts"]:
-            assert time.monotonic() < deadline, "the dead bridge's mount was not cleaned up"
+        deadline = time.monotonic() + 60
+        while True:  # (between the two, the mount is briefly unlisted while restarting)
+            mounts = client.status()["mounts"]
+            if not mounts and not is_mounted(str(where)):
+                break  # removed
+            if mounts and mounts[0]["pid"] != info["pid"] and is_mounted(str(where)):
+                os.listdir(where)  # restarted: the fresh bridge serves
+                break
+            assert time.monotonic() < deadline, f"a dead bridge's mount is still listed: {mounts}"
             time.sleep(0.05)
-        assert not is_mounted(str(where))
 
 
 def test_bytes_written_without_fsync_are_in_a_snapshot(service: Service, tmp_path: Path) -> None:
