@@ -59,6 +59,7 @@
 
 #include <fuse_lowlevel.h>
 #include <msgpack.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -339,6 +340,11 @@ BRIDGE_INTERNAL char *meta_child_path(uint64_t dir, const char *name);
 BRIDGE_INTERNAL int meta_readdirplus(fuse_req_t req, uint64_t dir, size_t size, uint64_t off);
 BRIDGE_INTERNAL uint64_t meta_cookie(const char *name, size_t len);
 BRIDGE_INTERNAL int meta_prepare_child(uint64_t parent, const char *name);
+
+/* -- bridge_loop.c ------------------------------------------------------------- */
+
+/* Interrupt a thread with SIGTERM until it ends, and join it. */
+BRIDGE_INTERNAL void bridge_join_thread(pthread_t tid);
 
 /* -- bridge_uring.c ------------------------------------------------------------ */
 

@@ -126,23 +126,29 @@ static void signal_ready(int *ready_fd)
     *ready_fd = -1;
 }
 
+/* Interrupt `tid` with SIGTERM until it has ended (re-sent every JOIN_POLL_NS: it
+ * may be between its check and its blocking call) and join it. */
+void bridge_join_thread(pthread_t tid)
+{
+    for (;;) {
+        pthread_kill(tid, SIGTERM);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += JOIN_POLL_NS;
+        if (until.tv_nsec >= (long)NS_PER_SEC) {
+            until.tv_sec++;
+            until.tv_nsec -= (long)NS_PER_SEC;
+        }
+        if (pthread_timedjoin_np(tid, NULL, &until) == 0)
+            return;
+    }
+}
+
 /* Interrupt and join every started worker. */
 static void join_workers(pthread_t *ids, unsigned n)
 {
-    for (unsigned i = 0; i < n; i++) {
-        for (;;) {
-            pthread_kill(ids[i], SIGTERM);
-            struct timespec until;
-            clock_gettime(CLOCK_REALTIME, &until);
-            until.tv_nsec += JOIN_POLL_NS;
-            if (until.tv_nsec >= (long)NS_PER_SEC) {
-                until.tv_sec++;
-                until.tv_nsec -= (long)NS_PER_SEC;
-            }
-            if (pthread_timedjoin_np(ids[i], NULL, &until) == 0)
-                break;
-        }
-    }
+    for (unsigned i = 0; i < n; i++)
+        bridge_join_thread(ids[i]);
 }
 
 int bridge_run(int ready_fd)

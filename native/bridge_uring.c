@@ -72,7 +72,6 @@
 #define URING_MAX_QUEUES 64
 #define URING_PAYLOAD_SZ BRIDGE_MAX_IO /* >= max_write, max_pages * PAGE_SIZE */
 #define URING_INBUF_SZ (URING_PAYLOAD_SZ + sizeof(struct fuse_in_header) + URING_OP_IN_SZ)
-#define JOIN_POLL_NS 20000000L
 
 struct uring_ent_in_out {
     uint64_t flags;
@@ -478,18 +477,7 @@ void uring_stop(void)
     g_uring.stop = 1;
     for (int i = 0; i < g_uring.nqueues; i++) {
         struct uring_queue *q = g_uring.queues[i];
-        for (;;) {
-            pthread_kill(q->tid, SIGTERM);
-            struct timespec until;
-            clock_gettime(CLOCK_REALTIME, &until);
-            until.tv_nsec += JOIN_POLL_NS;
-            if (until.tv_nsec >= (long)NS_PER_SEC) {
-                until.tv_sec++;
-                until.tv_nsec -= (long)NS_PER_SEC;
-            }
-            if (pthread_timedjoin_np(q->tid, NULL, &until) == 0)
-                break;
-        }
+        bridge_join_thread(q->tid);
         for (int j = 0; j < URING_DEPTH; j++) {
             free(q->ents[j].hdr);
             free(q->ents[j].payload);

@@ -31,9 +31,9 @@ from slates.base.live import LiveDirectory
 from slates.core import ROOT_INO, Host, Volume
 from slates.errors import SlatesError
 from slates.fuse.bridge import read_counters
-from slates.node.anchor import is_mounted
 from slates.node.fsops import run_fs_op
 from tests.anchor_fixture import Service, service, start_service
+from tests.test_mount import mounted
 
 __all__ = ["service"]
 
@@ -43,19 +43,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 MODES = pytest.mark.parametrize("writeback", [False, True], ids=["write-through", "writeback"])
-
-
-@contextlib.contextmanager
-def mounted(client: Client, volume: str, where: Path, *, writeback: bool) -> Iterator[Path]:
-    where.mkdir(parents=True, exist_ok=True)
-    client.mount(volume, where, writeback=writeback)
-    try:
-        yield where
-    finally:
-        with contextlib.suppress(Exception):
-            client.unmount(where)
-        if is_mounted(str(where)):
-            subprocess.run(["fusermount3", "-u", "-z", str(where)], check=False)
 
 
 def counters(service: Service, volume: str) -> dict[str, int]:

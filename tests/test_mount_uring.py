@@ -23,6 +23,7 @@ from slates import Client
 from slates.fuse.bridge import URING_ENV, read_counters
 from slates.node.anchor import is_mounted
 from tests.anchor_fixture import Service, start_service
+from tests.test_mount import mounted
 
 ENABLE_URING = Path("/sys/module/fuse/parameters/enable_uring")
 
@@ -64,19 +65,6 @@ def project(tmp_path: Path) -> Path:
     return base
 
 
-@contextlib.contextmanager
-def mounted(client: Client, volume: str, where: Path, *, writeback: bool = True) -> Iterator[Path]:
-    where.mkdir(parents=True, exist_ok=True)
-    client.mount(volume, where, writeback=writeback)
-    try:
-        yield where
-    finally:
-        with contextlib.suppress(Exception):
-            client.unmount(where)
-        if is_mounted(str(where)):
-            subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 def counters(service: Service, volume: str) -> dict[str, int]:
     (path,) = service.runtime.glob(f"counters-{volume}-*")
     return read_counters(path)
@@ -113,7 +101,7 @@ def test_a_mount_serves_base_files_and_changes_over_the_rings(
     with Client(uring_service.runtime) as client:
         volume = client.create_volume("work", base=project)["id"]
         where = tmp_path / "mnt"
-        with mounted(client, volume, where) as mnt:
+        with mounted(client, volume, where, writeback=True) as mnt:
             # base files: lstat, readdir, read (1 MiB: one full-size READ reply)
             assert sorted(os.listdir(mnt)) == ["README", "image.conf", "src"]
             assert os.lstat(mnt / "src" / "deep" / "table.h").st_size == 256 * 4096
@@ -176,7 +164,7 @@ def test_the_mount_serves_after_a_shard_restart(
 ) -> None:
     with Client(uring_service.runtime) as client:
         volume = client.create_volume("crash", base=project)["id"]
-        with mounted(client, volume, tmp_path / "mnt") as mnt:
+        with mounted(client, volume, tmp_path / "mnt", writeback=True) as mnt:
             (mnt / "kept.txt").write_text("before\n")
             os.sync()
             for index in range(len(uring_service.shard_pids())):
@@ -230,7 +218,7 @@ def test_asking_without_the_kernels_consent_serves_over_dev_fuse(
         try:
             with Client(service.runtime) as client:
                 volume = client.create_volume("refused", base=project)["id"]
-                with mounted(client, volume, tmp_path / "mnt") as mnt:
+                with mounted(client, volume, tmp_path / "mnt", writeback=True) as mnt:
                     assert sorted(os.listdir(mnt)) == ["README", "image.conf", "src"]
                     (mnt / "made.txt").write_text("x\n")
                     assert (mnt / "made.txt").read_text() == "x\n"
