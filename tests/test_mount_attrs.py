@@ -24,7 +24,8 @@ from slates import Client
 from slates.fuse.bridge import read_counters
 from slates.node.protocol import shard_of
 from tests.anchor_fixture import Service, service
-from tests.test_mount_clean_reads import MODES, mounted
+from tests.test_mount import mounted
+from tests.test_mount_clean_reads import MODES
 
 __all__ = ["service"]
 

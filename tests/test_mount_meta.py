@@ -34,7 +34,8 @@ from slates.errors import SlatesError
 from slates.fuse.bridge import read_counters
 from slates.node.fsops import run_fs_op
 from tests.anchor_fixture import Service, service
-from tests.test_mount_clean_reads import MODES, live_mount, mounted
+from tests.test_mount import mounted
+from tests.test_mount_clean_reads import MODES, live_mount
 
 __all__ = ["service"]
 
