@@ -267,6 +267,13 @@ def make_tree(
         fixtures = ""
     else:
         run(["cp", "-a", from_dir, root])
+        # Git cannot hold an empty directory (an archived submodule leaves one), so a
+        # git-worktree workspace would lack it: every kind starts from what git tracks.
+        run(
+            ["find", ".", "-depth", "-type", "d", "-empty", "-not", "-path", "./.git/*", "-delete"],
+            root,
+            env,
+        )
         fixtures = "slates-bench"
         found = run(["grep", "-rIc", "--exclude-dir=.git", NEEDLE, "."], root, env, ok_codes=(0, 1))
         needles = sum(int(line.rsplit(":", 1)[1]) for line in found.splitlines())

@@ -44,7 +44,8 @@
 #define BRIDGE_STAT_META_ANSWERS 69 /* LOOKUP/GETATTR/READLINK/ACCESS answered from the base */
 #define BRIDGE_STAT_ATTR_ANSWERS 70 /* GETATTRs answered from a mutation's reply */
 #define BRIDGE_STAT_URING_REQUESTS 71 /* kernel requests that came over io_uring */
-#define BRIDGE_COUNTERS 72
+#define BRIDGE_STAT_PREFETCHES 72 /* clean directories listed ahead (bridge_prefetch.c) */
+#define BRIDGE_COUNTERS 73
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
 
 /* Volume id and the ring spin budget (ns).  Call once, first. */
@@ -78,6 +79,9 @@ int bridge_set_base(int dir_fd);
  * BRIDGE_MAX_LOOP_THREADS (default BRIDGE_LOOP_THREADS); requests that go to
  * the shard still go one at a time.  Call before bridge_mount. */
 int bridge_set_threads(unsigned n);
+/* List a clean directory through the mount when the kernel first looks a
+ * name up in it (default on; before bridge_mount): 0 or -EBUSY. */
+int bridge_set_prefetch(int on);
 
 /* Serve the kernel over FUSE-over-io_uring (bridge_uring.c) when `on` and
  * the process is root and /sys/module/fuse/parameters/enable_uring is Y

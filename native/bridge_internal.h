@@ -328,6 +328,10 @@ BRIDGE_INTERNAL int meta_stat_beneath(const char *path, struct stat *st);
  * (the listing's): as strong as meta_stat_beneath from that directory -
  * nothing followed, -EXDEV for another device (a mount point). */
 BRIDGE_INTERNAL int meta_stat_at(int dir_fd, const char *name, struct stat *st);
+/* Whether bridge_prefetch.c may list the directory the mount shows with
+ * st_ino `st_ino`: its node id (once: it is claimed) when it is a clean base
+ * directory the bridge answers, 0 otherwise. */
+BRIDGE_INTERNAL uint64_t meta_claim_listing(uint64_t st_ino);
 /* The base path of a directory node (malloc'ed) and its parent node, or NULL. */
 BRIDGE_INTERNAL char *meta_dir_path(uint64_t dir, uint64_t *parent);
 /* The base path of `name` in a directory node (malloc'ed), or NULL. */
@@ -340,6 +344,19 @@ BRIDGE_INTERNAL char *meta_child_path(uint64_t dir, const char *name);
 BRIDGE_INTERNAL int meta_readdirplus(fuse_req_t req, uint64_t dir, size_t size, uint64_t off);
 BRIDGE_INTERNAL uint64_t meta_cookie(const char *name, size_t len);
 BRIDGE_INTERNAL int meta_prepare_child(uint64_t parent, const char *name);
+
+/* -- bridge_prefetch.c --------------------------------------------------------- */
+
+/* Where the mount is (bridge_mount, before the loop starts): 0 or -errno. */
+BRIDGE_INTERNAL int prefetch_set_mountpoint(const char *mountpoint);
+/* After INIT is answered: start the listing thread (if a mountpoint was set). */
+BRIDGE_INTERNAL void prefetch_start(void);
+/* No more listings (the bridge stops); idempotent, never waits for the thread. */
+BRIDGE_INTERNAL void prefetch_stop(void);
+/* Offer a clean directory (its base-relative path, which is its path in the
+ * mount while it is clean) to be listed through the mount.  Any thread;
+ * never blocks on I/O. */
+BRIDGE_INTERNAL void prefetch_dir(const char *path);
 
 /* -- bridge_loop.c ------------------------------------------------------------- */
 

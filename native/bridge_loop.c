@@ -179,6 +179,8 @@ int bridge_run(int ready_fd)
     if (!loop_over())
         uring_start(); /* io_uring mode only: rings serve once every queue registers */
     signal_ready(&ready_fd);
+    if (!loop_over())
+        prefetch_start();
     pthread_t ids[BRIDGE_MAX_LOOP_THREADS];
     unsigned started = 0;
     while (!loop_over() && started + 1 < g_threads) {
@@ -189,6 +191,7 @@ int bridge_run(int ready_fd)
     while (!loop_over() && serve_one(&fbuf, &opcode) >= 0)
         ;
     fuse_session_exit(g_bridge.se);
+    prefetch_stop();
     join_workers(ids, started);
     uring_stop();
     g_running = 0;

@@ -102,7 +102,8 @@
 #define META_BASE_INO_SPAN (1ull << 40)
 #define META_BASE_INO_START ((1ull << 52) - META_BASE_INO_SPAN)
 
-enum { META_LOCAL = 1, META_BOUND = 2, META_CLEAN_DIR = 4 };
+/* META_QUEUED: offered to bridge_prefetch.c; META_LISTED: listed by it. */
+enum { META_LOCAL = 1, META_BOUND = 2, META_CLEAN_DIR = 4, META_QUEUED = 8, META_LISTED = 16 };
 
 struct meta_node {
     uint64_t node;
@@ -414,6 +415,10 @@ int meta_lookup(fuse_req_t req, uint64_t parent, const char *name)
         bridge_count(BRIDGE_STAT_META_ANSWERS);
     }
     answered = 1;
+    if (!(pe->flags & (META_QUEUED | META_LISTED))) {
+        pe->flags |= META_QUEUED; /* its first name asked: list it all (bridge_prefetch.c) */
+        prefetch_dir(pe->path);
+    }
 out:
     pthread_mutex_unlock(&g_meta_lock);
     if (answered)
@@ -435,6 +440,21 @@ int meta_listable(uint64_t dir, uint64_t *epoch)
     *epoch = g_meta.epoch;
     pthread_mutex_unlock(&g_meta_lock);
     return ok;
+}
+
+uint64_t meta_claim_listing(uint64_t st_ino)
+{
+    if (st_ino == 0 || st_ino >= META_BASE_INO_SPAN)
+        return 0;
+    uint64_t node = META_BASE_INO_START + st_ino;
+    pthread_mutex_lock(&g_meta_lock);
+    struct meta_node *e = node_get(node);
+    int ok = e != NULL && (e->flags & META_CLEAN_DIR) && !(e->flags & META_LISTED) &&
+             e->path != NULL && !tainted(node);
+    if (ok)
+        e->flags |= META_LISTED;
+    pthread_mutex_unlock(&g_meta_lock);
+    return ok ? node : 0;
 }
 
 int meta_dirent(uint64_t dir, int dir_fd, const char *name, uint64_t epoch,

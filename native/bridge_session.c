@@ -48,6 +48,11 @@ int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int 
         fuse_opt_free_args(&args);
         return -ENOMEM;
     }
+    int prc = prefetch_set_mountpoint(mountpoint);
+    if (prc < 0) {
+        fuse_opt_free_args(&args);
+        return prc;
+    }
     struct fuse_session *se = fuse_session_new(&args, &bridge_ops, sizeof bridge_ops, NULL);
     fuse_opt_free_args(&args);
     if (se == NULL)
@@ -92,6 +97,7 @@ int bridge_notify_inval_entry(uint64_t parent, const char *name, size_t namelen)
 
 void bridge_unmount(void)
 {
+    prefetch_stop();
     if (g_bridge.se != NULL) {
         uring_unmount();                  /* when bridge_uring.c mounted it */
         fuse_session_unmount(g_bridge.se); /* when libfuse did */

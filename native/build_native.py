@@ -65,6 +65,7 @@ SOURCES = (
     "bridge_map.c",
     "bridge_meta.c",
     "bridge_meta_dir.c",
+    "bridge_prefetch.c",
     "bridge_ops.c",
     "bridge_session.c",
     "bridge_loop.c",
@@ -107,6 +108,7 @@ ffibuilder.cdef(
     #define BRIDGE_STAT_META_ANSWERS ...
     #define BRIDGE_STAT_ATTR_ANSWERS ...
     #define BRIDGE_STAT_URING_REQUESTS ...
+    #define BRIDGE_STAT_PREFETCHES ...
     #define BRIDGE_RECONNECT_SECONDS ...
     #define BRIDGE_MAX_IO ...
     #define BRIDGE_LOOP_THREADS ...
@@ -121,6 +123,7 @@ ffibuilder.cdef(
     int bridge_set_cache_timeout(double seconds);
     int bridge_set_base(int dir_fd);
     int bridge_set_threads(unsigned n);
+    int bridge_set_prefetch(int on);
     int bridge_set_uring(int on);
     int bridge_uring_active(void);
     int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback);

@@ -18,7 +18,7 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,9 @@ from slates.base.live import LiveDirectory
 from slates.core import ROOT_INO, Host, Volume
 from slates.core.volume import base_ino
 from slates.errors import SlatesError
-from slates.fuse.bridge import read_counters
+from slates.fuse.bridge import PREFETCH_ENV, read_counters
 from slates.node.fsops import run_fs_op
-from tests.anchor_fixture import Service, service
+from tests.anchor_fixture import Service, service, start_service
 from tests.test_mount import mounted
 from tests.test_mount_clean_reads import MODES, live_mount
 
@@ -91,39 +91,62 @@ def listing(root: Path) -> dict[str, object]:
 
 
 @MODES
+@pytest.mark.parametrize("prefetch", [False, True], ids=["lookups", "prefetched"])
 def test_a_fresh_tree_is_stated_and_read_without_the_shard_binding_it(
-    service: Service, tmp_path: Path, writeback: bool
+    tmp_path: Path, writeback: bool, prefetch: bool
 ) -> None:
+    """Looked up name by name (prefetch off: each a LOOKUP the bridge answers), or
+    listed ahead by the bridge's prefetch (its READDIRPLUS answers them, and the
+    kernel looks up only the name that does not exist): either way from the base."""
     base = tmp_path / "base"
     base.mkdir()
     make_tree(base, random.Random(1))
-    with Client(service.runtime) as client:
-        vid = client.create_volume("meta", base=base)["id"]
-        before = client.counters(vid)
-        with mounted(client, vid, tmp_path / "mnt", writeback=writeback) as mnt:
-            seen = counters(service.runtime, vid)
-            names = ("a", "l", "d", "d/b", "d/l2", "d/e", "d/e/c", "d/e/f", "d/e/hard", "no")
-            for rel in names:  # looked up one by one, as git status does
-                assert shape(mnt / rel) == shape(base / rel), rel
-                if (base / rel).is_symlink():
-                    assert os.readlink(mnt / rel) == os.readlink(base / rel)
-                elif (base / rel).is_file():
-                    s, b = os.lstat(mnt / rel), os.lstat(base / rel)
-                    assert (s.st_ino, s.st_mtime_ns, s.st_ctime_ns) == (
-                        b.st_ino,
-                        b.st_mtime_ns,
-                        b.st_ctime_ns,
-                    )
-                    assert (mnt / rel).read_bytes() == (base / rel).read_bytes()
-            now = counters(service.runtime, vid)
-            assert now["meta_answers"] - seen["meta_answers"] >= len(names)
-            assert now.get("LOOKUP", 0) - seen.get("LOOKUP", 0) >= len(names)
-            # Every name was answered from the base: the shard bound none of them.
-            assert client.counters(vid)["metadata_bytes"] == before["metadata_bytes"]
-            # At most the root's attributes and its mark went to the shard.
-            assert now["round_trips"] - seen["round_trips"] <= 2, (seen, now)
-            assert listing(mnt) == listing(base)
-            assert client.stat(vid, "/d/e/c")["size"] == (base / "d/e/c").stat().st_size
+    service = start_service(tmp_path / "run", env={PREFETCH_ENV: str(int(prefetch))})
+    try:
+        with Client(service.runtime) as client:
+            vid = client.create_volume("meta", base=base)["id"]
+            before = client.counters(vid)
+            with mounted(client, vid, tmp_path / "mnt", writeback=writeback) as mnt:
+                if prefetch:  # the walk lists the root, d and d/e
+                    wait_for(lambda: counters(service.runtime, vid)["prefetches"] == 3)
+                seen = counters(service.runtime, vid)
+                names = ("a", "l", "d", "d/b", "d/l2", "d/e", "d/e/c", "d/e/f", "d/e/hard", "no")
+                for rel in names:  # looked up one by one, as git status does
+                    assert shape(mnt / rel) == shape(base / rel), rel
+                    if (base / rel).is_symlink():
+                        assert os.readlink(mnt / rel) == os.readlink(base / rel)
+                    elif (base / rel).is_file():
+                        s, b = os.lstat(mnt / rel), os.lstat(base / rel)
+                        assert (s.st_ino, s.st_mtime_ns, s.st_ctime_ns) == (
+                            b.st_ino,
+                            b.st_mtime_ns,
+                            b.st_ctime_ns,
+                        )
+                        assert (mnt / rel).read_bytes() == (base / rel).read_bytes()
+                now = counters(service.runtime, vid)
+                lookups = now.get("LOOKUP", 0) - seen.get("LOOKUP", 0)
+                if prefetch:
+                    assert lookups == 1, (seen, now)  # "no": a listing names what exists
+                    assert now["meta_answers"] >= len(names) - 1
+                else:
+                    assert now["meta_answers"] - seen["meta_answers"] >= len(names) - 1
+                    assert lookups >= len(names)
+                # Every name was answered from the base: the shard bound none of them.
+                assert client.counters(vid)["metadata_bytes"] == before["metadata_bytes"]
+                # At most the root's attributes and its mark went to the shard.
+                assert now["round_trips"] - seen["round_trips"] <= 2, (seen, now)
+                assert listing(mnt) == listing(base)
+                assert client.stat(vid, "/d/e/c")["size"] == (base / "d/e/c").stat().st_size
+    finally:
+        service.stop()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
 
 
 @MODES

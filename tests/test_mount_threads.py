@@ -207,7 +207,8 @@ def test_readers_on_several_threads_while_another_client_writes(
                 seen[str(path.relative_to(mnt))] = path.read_bytes()
         assert seen == final, f"seed {seed}"
         runtime = tmp_path / "run"
-        assert loop_thread_count(runtime, vid) == threads + 1  # and the watcher
+        # ... and the watcher and the directory prefetch thread (native/bridge_prefetch.c)
+        assert loop_thread_count(runtime, vid) == threads + 2
         assert held_references(runtime, vid) != []  # the probe sees what the kernel holds
         forget_everything(runtime, vid)
         stats = counters_of(runtime, vid)

@@ -49,6 +49,11 @@ native/bridge_loop.c) may read /dev/fuse: what C answers alone runs side by
 side, while requests to the shard still go one at a time, because the ring
 link keeps one request in flight and the shard applies a volume's requests
 in order.
+Directory prefetch (native/bridge_prefetch.c): once the mount serves, one C
+thread lists the clean directories through the mount (a walk from the root,
+then, past its budget, each directory a first LOOKUP is answered in), so the
+kernel learns their entries from READDIRPLUS instead of a LOOKUP per name;
+$SLATES_BRIDGE_PREFETCH=0 turns it off (prefetch_wanted()).
 FUSE-over-io_uring (issue 14): with $SLATES_FUSE_URING=1, when the bridge
 runs as root and /sys/module/fuse/parameters/enable_uring is Y (and no
 --auto-unmount), C mounts with mount(2) itself and, once INIT is answered,
@@ -161,6 +166,7 @@ from slates.node.runtime import Runtime
 REPLY_SPIN_NS = 100_000
 THREADS_ENV = "SLATES_BRIDGE_THREADS"  # loop_threads()
 URING_ENV = "SLATES_FUSE_URING"  # uring_wanted()
+PREFETCH_ENV = "SLATES_BRIDGE_PREFETCH"  # prefetch_wanted()
 
 __all__ = [
     "COUNTER_SLOTS",
@@ -171,6 +177,8 @@ __all__ = [
     "STATS",
     "THREADS_ENV",
     "URING_ENV",
+    "PREFETCH_ENV",
+    "prefetch_wanted",
     "JOB_LIMIT",
     "Bridge",
     "MountJob",
@@ -257,6 +265,7 @@ STATS: dict[int, str] = {
     lib.BRIDGE_STAT_META_ANSWERS: "meta_answers",
     lib.BRIDGE_STAT_ATTR_ANSWERS: "attr_answers",
     lib.BRIDGE_STAT_URING_REQUESTS: "uring_requests",
+    lib.BRIDGE_STAT_PREFETCHES: "prefetches",
 }
 
 
@@ -673,6 +682,8 @@ def run_bridge(
     bridge.use_threads(loop_threads())
     if uring_wanted() and lib.bridge_set_uring(1) < 0:
         raise InvalidArgument("cannot ask for FUSE-over-io_uring after mounting")
+    if lib.bridge_set_prefetch(int(prefetch_wanted())) < 0:
+        raise InvalidArgument("cannot change directory prefetch after mounting")
     if uncached and lib.bridge_set_cache_timeout(0.0) < 0:
         raise InvalidArgument("cannot turn the kernel's entry and attribute caches off")
     if counters is not None:
@@ -724,12 +735,22 @@ def uring_wanted() -> bool:
     Asking is not enough: C uses it only as root with the kernel's
     enable_uring set, and logs why not otherwise (native/bridge_uring.c).
     """
-    raw = os.environ.get(URING_ENV, "")
-    if raw in ("", "0"):
-        return False
-    if raw == "1":
-        return True
-    raise InvalidArgument(f"{URING_ENV} is 1 or 0", value=raw)
+    return _env_switch(URING_ENV, default=False)
+
+
+def prefetch_wanted() -> bool:
+    """Whether clean directories are listed ahead of their callers
+    (native/bridge_prefetch.c): $SLATES_BRIDGE_PREFETCH "0" turns it off."""
+    return _env_switch(PREFETCH_ENV, default=True)
+
+
+def _env_switch(name: str, *, default: bool) -> bool:
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    if raw in ("0", "1"):
+        return raw == "1"
+    raise InvalidArgument(f"{name} is 1 or 0", value=raw)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

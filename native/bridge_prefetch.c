@@ -1,0 +1,305 @@
+/*
+ * Directory prefetch: clean directories are listed through the mount ahead
+ * of their callers, so the kernel learns their entries from one READDIRPLUS
+ * instead of one LOOKUP round trip per name.
+ *
+ * Theory of operation.  git status (its preload threads lstat every indexed
+ * path), make and compilers stat names without listing their directories,
+ * so a fresh workspace's first touch is one LOOKUP per name, and on a VM
+ * whose idle vCPUs halt each round trip pays two cross-CPU wake-ups
+ * (bench/RESULTS.md, "Why a fresh workspace's first touch swings 3x").  The
+ * kernel cannot be handed entries it did not ask for, but it keeps every
+ * entry a READDIRPLUS reply carries (dentry, inode and attributes, for the
+ * entry timeout) and the listing itself.  So this file's one thread opens
+ * clean directories through the mount and reads them to their end
+ * (getdents64): the kernel sends READDIRPLUS, which the loop threads answer
+ * from the base like any other (bridge_meta_dir.c, each entry's kernel
+ * reference counted in the bridge, never the shard's), and a caller's next
+ * lstat finds the name cached.  Nothing here answers the kernel or changes
+ * what any request returns: the listings are an ordinary reader's.
+ *
+ * Which directories, in which order (a stack: the newest first):
+ *   - the walk: once the mount serves, the root, then every subdirectory a
+ *     listing shows, depth first, until PREFETCH_WALK_ENTRIES entries were
+ *     listed (an agent's first command in a fresh workspace is nearly
+ *     always one that walks it: git status, grep -r, find, a build);
+ *   - on demand: a directory in which bridge_meta.c answers a LOOKUP
+ *     (prefetch_dir), pushed on top, so the directory a caller walks now
+ *     is listed next; until PREFETCH_MAX_ENTRIES entries in all.
+ * A directory is listed only if bridge_meta.c knows it as clean (its every
+ * name is its base entry, so the bridge answers its READDIRPLUS without the
+ * shard) and it was not listed before (meta_claim_listing, by node id).
+ *
+ * Lifecycle (a table, as everywhere): IDLE --set_mountpoint--> ARMED
+ * --start--> RUNNING --stop--> STOPPED, and any state --stop--> STOPPED.  A
+ * directory offered in another state than RUNNING is dropped: there is no
+ * one to list it.  The thread is detached and never joined: its getdents64
+ * may wait on a READDIRPLUS that only the loop threads answer, and they may
+ * be gone when the bridge stops; it ends at its next wake-up after stop, or
+ * with the process.  It holds no lock across a syscall, and a directory of
+ * the mount open only while it reads it (an external non-lazy umount may
+ * see EBUSY in that window; the anchor unmounts lazily).
+ *
+ * Bounded: PREFETCH_STACK directories wait (a full stack refuses more);
+ * the entry budgets above bound what the kernel and the bridge's node table
+ * hold because of prefetch.  Counted: BRIDGE_STAT_PREFETCHES (directories
+ * listed).
+ */
+#include "bridge_internal.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define PREFETCH_STACK 1024
+#define PREFETCH_WALK_ENTRIES 8192
+#define PREFETCH_MAX_ENTRIES 32768
+#define PREFETCH_BUF (64u << 10) /* the kernel asks READDIRPLUS for this much */
+
+enum prefetch_state { PF_IDLE, PF_ARMED, PF_RUNNING, PF_STOPPED };
+enum prefetch_event { PF_SET_MOUNTPOINT, PF_START, PF_STOP };
+
+struct pending {
+    char *path;  /* mount-relative, "" for the root */
+    int walked;  /* from the walk (its subdirectories are pushed too) */
+};
+
+static struct {
+    enum prefetch_state state;
+    int enabled;
+    char mountpoint[PATH_MAX];
+    struct pending stack[PREFETCH_STACK]; /* the newest at len - 1 */
+    unsigned len;
+    long listed; /* entries listed so far (the budgets) */
+} g_pf = {.enabled = 1};
+static pthread_mutex_t g_pf_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_pf_cond = PTHREAD_COND_INITIALIZER;
+/* Held by an invalidation from this thread and by prefetch_stop, so the
+ * session is never used once the bridge stops (it is destroyed after). */
+static pthread_mutex_t g_pf_session_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Under g_pf_lock: the state `event` leads to from the current one, or -1. */
+static int next_state(enum prefetch_event event)
+{
+    switch (event) {
+    case PF_SET_MOUNTPOINT:
+        return g_pf.state == PF_IDLE ? PF_ARMED : -1;
+    case PF_START:
+        return g_pf.state == PF_ARMED ? PF_RUNNING : -1;
+    case PF_STOP:
+        return PF_STOPPED;
+    }
+    return -1;
+}
+
+int bridge_set_prefetch(int on)
+{
+    pthread_mutex_lock(&g_pf_lock);
+    int rc = g_pf.state == PF_IDLE ? 0 : -EBUSY;
+    if (rc == 0)
+        g_pf.enabled = on != 0;
+    pthread_mutex_unlock(&g_pf_lock);
+    return rc;
+}
+
+int prefetch_set_mountpoint(const char *mountpoint)
+{
+    size_t n = strlen(mountpoint);
+    if (n >= sizeof g_pf.mountpoint)
+        return -ENAMETOOLONG;
+    pthread_mutex_lock(&g_pf_lock);
+    int next = next_state(PF_SET_MOUNTPOINT);
+    if (next >= 0 && g_pf.enabled) {
+        memcpy(g_pf.mountpoint, mountpoint, n + 1);
+        g_pf.state = (enum prefetch_state)next;
+    }
+    pthread_mutex_unlock(&g_pf_lock);
+    return next < 0 ? -EBUSY : 0;
+}
+
+/* Under g_pf_lock: whether a directory offered by the walk (or on demand)
+ * may still be listed. */
+static int within_budget(int walked)
+{
+    return g_pf.listed < (walked ? PREFETCH_WALK_ENTRIES : PREFETCH_MAX_ENTRIES);
+}
+
+/* Under g_pf_lock: push a copy of `path` (0), or drop it (-1). */
+static int push_locked(const char *path, int walked)
+{
+    if (g_pf.state != PF_RUNNING || g_pf.len == PREFETCH_STACK || !within_budget(walked))
+        return -1;
+    char *copy = strdup(path);
+    if (copy == NULL)
+        return -1;
+    g_pf.stack[g_pf.len++] = (struct pending){copy, walked};
+    pthread_cond_signal(&g_pf_cond);
+    return 0;
+}
+
+/* Pop the newest directory still within its budget, waiting for one; 0 once
+ * stopped. */
+static int pop(struct pending *out)
+{
+    pthread_mutex_lock(&g_pf_lock);
+    for (;;) {
+        while (g_pf.state == PF_RUNNING && g_pf.len == 0)
+            pthread_cond_wait(&g_pf_cond, &g_pf_lock);
+        if (g_pf.state != PF_RUNNING)
+            break;
+        *out = g_pf.stack[--g_pf.len];
+        if (within_budget(out->walked)) {
+            pthread_mutex_unlock(&g_pf_lock);
+            return 1;
+        }
+        free(out->path); /* offered before the budget was spent */
+    }
+    pthread_mutex_unlock(&g_pf_lock);
+    return 0;
+}
+
+/* Push the subdirectories a getdents64 buffer names (the walk goes on). */
+static void push_children(const char *path, const char *buf, long got)
+{
+    pthread_mutex_lock(&g_pf_lock);
+    for (long at = 0; at < got;) {
+        const struct dirent64 *d = (const struct dirent64 *)(buf + at);
+        at += d->d_reclen;
+        if (d->d_type != DT_DIR || strcmp(d->d_name, ".") == 0 || strcmp(d->d_name, "..") == 0)
+            continue;
+        char child[PATH_MAX];
+        int n = snprintf(child, sizeof child, "%s%s%s", path, *path ? "/" : "", d->d_name);
+        if (n > 0 && (size_t)n < sizeof child && push_locked(child, 1) != 0)
+            break; /* full, or the walk's budget is spent */
+    }
+    pthread_mutex_unlock(&g_pf_lock);
+}
+
+static long entries_in(const char *buf, long got)
+{
+    long n = 0;
+    for (long at = 0; at < got; n++)
+        at += ((const struct dirent64 *)(buf + at))->d_reclen;
+    return n;
+}
+
+/* The kernel keeps a directory's listing (no OPENDIR: FOPEN_CACHE_DIR) until
+ * an invalidation.  Only its entries were wanted: the listing itself is
+ * dropped, so a caller's first listing reads the base then, as it would
+ * have without prefetch (a name added to a live base since shows). */
+static void forget_listing(uint64_t node)
+{
+    pthread_mutex_lock(&g_pf_session_lock);
+    if (g_pf.state == PF_RUNNING && g_bridge.se != NULL)
+        fuse_lowlevel_notify_inval_inode(g_bridge.se, (fuse_ino_t)node, 0, 0);
+    pthread_mutex_unlock(&g_pf_session_lock);
+}
+
+static void list_through_mount(const struct pending *p)
+{
+    char full[PATH_MAX];
+    int n = snprintf(full, sizeof full, "%s%s%s", g_pf.mountpoint, *p->path ? "/" : "", p->path);
+    if (n < 0 || (size_t)n >= sizeof full)
+        return;
+    int fd = open(full, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0)
+        return; /* gone, renamed, or the mount is ending: nothing to learn */
+    /* The root is listed once, whoever answers it (its READDIRPLUS teaches
+     * bridge_meta.c which of its directories are clean); any other directory
+     * only if the bridge answers it and nobody listed it yet. */
+    static int root_listed; /* one thread */
+    struct stat st;
+    uint64_t node = 0;
+    if (!*p->path)
+        node = root_listed ? 0 : 1;
+    else if (fstat(fd, &st) == 0)
+        node = meta_claim_listing((uint64_t)st.st_ino);
+    if (node == 0) {
+        close(fd);
+        return;
+    }
+    root_listed = 1;
+    static char buf[PREFETCH_BUF]; /* one thread */
+    long got;
+    for (;;) {
+        got = syscall(SYS_getdents64, fd, buf, sizeof buf);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            break;
+        long entries = entries_in(buf, got);
+        pthread_mutex_lock(&g_pf_lock);
+        g_pf.listed += entries;
+        pthread_mutex_unlock(&g_pf_lock);
+        if (p->walked)
+            push_children(p->path, buf, got);
+    }
+    close(fd);
+    forget_listing(node);
+    bridge_count(BRIDGE_STAT_PREFETCHES);
+}
+
+static void *prefetch_thread(void *unused)
+{
+    (void)unused;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL); /* the loop threads take the signals */
+    for (struct pending p; pop(&p);) {
+        list_through_mount(&p);
+        free(p.path);
+    }
+    return NULL;
+}
+
+void prefetch_start(void)
+{
+    pthread_mutex_lock(&g_pf_lock);
+    int next = next_state(PF_START);
+    if (next >= 0) {
+        g_pf.state = (enum prefetch_state)next;
+        push_locked("", 1); /* the walk begins at the root */
+        pthread_t tid;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 256u << 10);
+        if (pthread_create(&tid, &attr, prefetch_thread, NULL) != 0)
+            next = next_state(PF_STOP); /* no prefetch: slower, not wrong */
+        pthread_attr_destroy(&attr);
+        if (next == PF_STOPPED) {
+            g_pf.state = PF_STOPPED;
+            while (g_pf.len > 0)
+                free(g_pf.stack[--g_pf.len].path);
+        }
+    }
+    pthread_mutex_unlock(&g_pf_lock);
+}
+
+void prefetch_stop(void)
+{
+    pthread_mutex_lock(&g_pf_session_lock);
+    pthread_mutex_lock(&g_pf_lock);
+    g_pf.state = (enum prefetch_state)next_state(PF_STOP);
+    while (g_pf.len > 0)
+        free(g_pf.stack[--g_pf.len].path);
+    pthread_cond_broadcast(&g_pf_cond);
+    pthread_mutex_unlock(&g_pf_lock);
+    pthread_mutex_unlock(&g_pf_session_lock);
+}
+
+void prefetch_dir(const char *path)
+{
+    pthread_mutex_lock(&g_pf_lock);
+    push_locked(path, 0);
+    pthread_mutex_unlock(&g_pf_lock);
+}

@@ -1,0 +1,217 @@
+"""Directory prefetch (native/bridge_prefetch.c): once a mount serves, the bridge lists
+its clean directories through the mount, so the kernel learns their entries from
+READDIRPLUS and a caller's lstat of each name needs no LOOKUP.
+
+Real anchors and mounts (root and /dev/fuse).  What is checked is what a user can
+tell: names stated after the walk cost no LOOKUP and no shard request; a listing
+made after the walk still reads the live base (a file added there shows); the walk
+stops at its budget and the directories a caller then walks are listed on demand;
+changes made in the mount while the walk runs end exactly as on tmpfs; and an
+unmount in the middle of a walk is clean.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from slates import Client
+from slates.fuse.bridge import read_counters
+from slates.node.anchor import is_mounted
+from tests.anchor_fixture import Service, service
+from tests.test_mount import mounted
+
+__all__ = ["service"]
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/dev/fuse") or os.geteuid() != 0,
+    reason="FUSE mounts need /dev/fuse and root (CI has both)",
+)
+
+WALK_ENTRIES = 8192  # PREFETCH_WALK_ENTRIES
+
+
+def counters(runtime: Path, volume: str) -> dict[str, int]:
+    (path,) = runtime.glob(f"counters-{volume}-*")
+    return read_counters(path)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
+
+
+def settled(runtime: Path, volume: str) -> int:
+    """Wait until the walk has listed no new directory for a while; how many it listed."""
+    last, since = -1, time.monotonic()
+    while time.monotonic() - since < 0.5:
+        now = counters(runtime, volume).get("prefetches", 0)
+        if now != last:
+            last, since = now, time.monotonic()
+        time.sleep(0.02)
+    return last
+
+
+def make_tree(root: Path, dirs: int, files: int) -> list[str]:
+    """dirs directories of files small files each (two levels), in index order."""
+    names: list[str] = []
+    for d in range(dirs):
+        sub = root / f"top{d % 4}" / f"dir{d:03}"
+        sub.mkdir(parents=True, exist_ok=True)
+        for f in range(files):
+            (sub / f"f{f:03}.c").write_bytes(f"{d}/{f}\n".encode())
+            names.append(f"top{d % 4}/dir{d:03}/f{f:03}.c")
+    return sorted(names)
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
+    base = tmp_path / "base"
+    yield base, make_tree(base, 12, 25)
+
+
+def test_names_stated_after_the_walk_need_no_lookup_and_no_shard(
+    service: Service, tree: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    base, names = tree
+    with Client(service.runtime) as client:
+        vid = client.create_volume("walked", base=base)["id"]
+        before = client.counters(vid)
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            listed = settled(service.runtime, vid)
+            assert listed == 1 + 4 + 12  # the root, top0..3 and every dirNNN
+            seen = counters(service.runtime, vid)
+            for rel in names:  # as git status's preload threads do
+                st, b = os.lstat(mnt / rel), os.lstat(base / rel)
+                assert (st.st_size, st.st_ino, st.st_mtime_ns) == (
+                    b.st_size,
+                    b.st_ino,
+                    b.st_mtime_ns,
+                )
+            now = counters(service.runtime, vid)
+            assert now.get("LOOKUP", 0) == seen.get("LOOKUP", 0), (seen, now)
+            assert now["round_trips"] == seen["round_trips"]
+            # The walk's entries are the bridge's: the shard bound none of them.
+            assert client.counters(vid)["metadata_bytes"] == before["metadata_bytes"]
+            assert (mnt / names[7]).read_bytes() == (base / names[7]).read_bytes()
+
+
+def test_a_listing_after_the_walk_reads_the_live_base(
+    service: Service, tree: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    base, names = tree
+    with Client(service.runtime) as client:
+        vid = client.create_volume("relist", base=base)["id"]
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            settled(service.runtime, vid)
+            where = Path(names[0]).parent
+            (base / where / "added.c").write_bytes(b"new\n")  # after the walk listed it
+            (base / "added-top").mkdir()
+            assert "added.c" in os.listdir(mnt / where)
+            assert (mnt / where / "added.c").read_bytes() == b"new\n"
+            assert "added-top" in os.listdir(mnt)
+            # A second listing is the kernel's cached one, as before prefetch.
+            assert sorted(os.listdir(mnt / where)) == sorted(os.listdir(base / where))
+
+
+def test_the_walk_stops_at_its_budget_and_a_walked_directory_is_listed_on_demand(
+    service: Service, tmp_path: Path
+) -> None:
+    base = tmp_path / "base"
+    names = make_tree(base, 100, 100)  # 10,000 files: past the walk's budget
+    dirs = sorted({str(Path(rel).parent) for rel in names})
+    with Client(service.runtime) as client:
+        vid = client.create_volume("big", base=base)["id"]
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            listed = settled(service.runtime, vid)
+            assert 5 < listed < 1 + 4 + len(dirs)  # it stopped near WALK_ENTRIES entries
+            assert (listed - 5) * 102 <= WALK_ENTRIES + 102  # the one that crossed it
+            # Find a directory the walk left: its first name costs a LOOKUP.
+            for where in dirs:
+                before = counters(service.runtime, vid).get("LOOKUP", 0)
+                os.lstat(mnt / where / "f000.c")
+                if counters(service.runtime, vid).get("LOOKUP", 0) > before:
+                    break
+            else:
+                raise AssertionError("the walk listed every directory")
+            wait_for(lambda: counters(service.runtime, vid)["prefetches"] == listed + 1)
+            seen = counters(service.runtime, vid)
+            for f in range(1, 100):
+                os.lstat(mnt / where / f"f{f:03}.c")
+            assert counters(service.runtime, vid).get("LOOKUP", 0) == seen.get("LOOKUP", 0)
+
+
+def test_changes_made_while_the_walk_runs_end_as_on_tmpfs(service: Service, tmp_path: Path) -> None:
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    base = tmp_path / "base"
+    names = make_tree(base, 60, 60)
+    reference = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        shutil.copytree(base, reference / "t", symlinks=True)
+        with Client(service.runtime) as client:
+            vid = client.create_volume("racing", base=base)["id"]
+            with mounted(client, vid, tmp_path / "mnt") as mnt:
+                for step in range(120):  # at once, while the walk lists the tree
+                    for root in (mnt, reference / "t"):
+                        _change(root, names, step, random.Random(f"{seed}-{step}"))
+                assert _tree(mnt) == _tree(reference / "t"), f"seed {seed}"
+                settled(service.runtime, vid)
+                assert _tree(mnt) == _tree(reference / "t"), f"seed {seed}"
+    finally:
+        shutil.rmtree(reference)
+
+
+def _change(root: Path, names: list[str], step: int, rng: random.Random) -> None:
+    rel = rng.choice(names)
+    kind = rng.choice(["write", "unlink", "rename-dir", "create", "mkdir"])
+    target = root / rel
+    if kind == "write" and target.exists():
+        target.write_bytes(rng.randbytes(rng.choice([0, 10, 5000])))
+    elif kind == "unlink" and target.exists():
+        target.unlink()
+    elif kind == "rename-dir" and target.parent.exists():
+        target.parent.rename(target.parent.with_name(f"{target.parent.name}-r{step}"))
+    elif kind == "create" and target.parent.exists():
+        (target.parent / f"new{step}.c").write_bytes(b"made\n")
+    elif kind == "mkdir" and target.parent.exists():
+        (target.parent / f"sub{step}").mkdir()
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    out: dict[str, bytes | None] = {}
+    for top, dirs, files in os.walk(root):
+        for name in dirs:
+            out[str(Path(top, name).relative_to(root))] = None
+        for name in files:
+            path = Path(top, name)
+            out[str(path.relative_to(root))] = path.read_bytes()
+    return out
+
+
+def test_an_unmount_in_the_middle_of_a_walk_is_clean(service: Service, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    make_tree(base, 100, 100)
+    with Client(service.runtime) as client:
+        vid = client.create_volume("cut", base=base)["id"]
+        for round_ in range(3):
+            where = tmp_path / f"mnt{round_}"
+            where.mkdir()
+            client.mount(vid, where)
+            client.unmount(where)  # the walk has barely begun
+            assert not is_mounted(str(where))
+            assert os.listdir(where) == []
+        wait_for(lambda: client.mounts() == [])
+        leftover = subprocess.run(["mount"], capture_output=True, text=True, check=True).stdout
+        assert str(tmp_path) not in leftover
