@@ -101,6 +101,7 @@
 
 #define META_BASE_INO_SPAN (1ull << 40)
 #define META_BASE_INO_START ((1ull << 52) - META_BASE_INO_SPAN)
+#define META_SETTLED_NS (2 * (int64_t)NS_PER_SEC) /* see changing() */
 
 /* META_QUEUED: offered to bridge_prefetch.c; META_LISTED: listed by it. */
 enum { META_LOCAL = 1, META_BOUND = 2, META_CLEAN_DIR = 4, META_QUEUED = 8, META_LISTED = 16 };
@@ -260,6 +261,18 @@ int meta_stat_at(int dir_fd, const char *name, struct stat *st)
     if (fstatat(dir_fd, name, st, AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT) != 0)
         return -errno;
     return st->st_dev == g_meta.base_dev ? 0 : -EXDEV; /* a mount point: as RESOLVE_NO_XDEV */
+}
+
+/* Whether a base entry changed so recently that it may be changing still (a
+ * file being written into the live base): a listing then gives it without
+ * attributes, so the kernel does not keep a half-written size for a day but
+ * looks the name up when it needs it (git's "racily clean" rule, for the same
+ * reason).  A LOOKUP, which a caller asks for now, is answered as it is. */
+static int changing(const struct stat *st)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    return ts_ns(&now) - ts_ns(&st->st_ctim) < META_SETTLED_NS;
 }
 
 /* The node id the volume binds this base entry at, or 0 (the shard decides). */
@@ -470,7 +483,7 @@ int meta_dirent(uint64_t dir, int dir_fd, const char *name, uint64_t epoch,
         free(path);
         return -1; /* removed since it was listed: the shard skips it too */
     }
-    uint64_t node = rc == 0 ? derived_node(&st) : 0;
+    uint64_t node = rc == 0 && !changing(&st) ? derived_node(&st) : 0;
     int answered = 0;
     pthread_mutex_lock(&g_meta_lock);
     if (node == 0 || g_meta.epoch != epoch || tainted(node))

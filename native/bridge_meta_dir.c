@@ -13,9 +13,9 @@
  * again from the base root: the same checks, one syscall instead of three.
  * "." and ".." come first (cookies 1 and 2).  Each other name is answered as a
  * LOOKUP would be (meta_dirent: one kernel reference counted in the
- * bridge); a name bound in the volume, or not the bridge's to number, goes
- * without attributes (the kernel looks it up when it needs them, and the
- * shard answers).  The reply is sent inside the metadata reply gate after
+ * bridge); a name bound in the volume, or not the bridge's to number, or
+ * changed in the last two seconds (it may be being written), goes without
+ * attributes (the kernel looks it up when it needs them).  The reply is sent inside the metadata reply gate after
  * checking that no taint ran since the listing began, so an invalidation the watcher
  * acknowledged is never undone by it; otherwise every reference counted is
  * given back (give_back, under the link lock) and the shard answers.

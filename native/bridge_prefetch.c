@@ -10,13 +10,15 @@
  * (bench/RESULTS.md, "Why a fresh workspace's first touch swings 3x").  The
  * kernel cannot be handed entries it did not ask for, but it keeps every
  * entry a READDIRPLUS reply carries (dentry, inode and attributes, for the
- * entry timeout) and the listing itself.  So this file's one thread opens
- * clean directories through the mount and reads them to their end
+ * entry timeout) and the listing itself.  So this file's one thread has
+ * clean directories opened through the mount and read to their end
  * (getdents64): the kernel sends READDIRPLUS, which the loop threads answer
  * from the base like any other (bridge_meta_dir.c, each entry's kernel
  * reference counted in the bridge, never the shard's), and a caller's next
- * lstat finds the name cached.  Nothing here answers the kernel or changes
- * what any request returns: the listings are an ordinary reader's.
+ * lstat finds the name cached.  The kernel's copy of each listing is then
+ * dropped (forget_listing), so a caller's first listing still reads the live
+ * base then, as without prefetch.  Nothing here answers the kernel or
+ * changes what any request returns: the listings are an ordinary reader's.
  *
  * Which directories, in which order (a stack: the newest first):
  *   - the walk: once the mount serves, the root, then every subdirectory a
@@ -33,12 +35,15 @@
  * Lifecycle (a table, as everywhere): IDLE --set_mountpoint--> ARMED
  * --start--> RUNNING --stop--> STOPPED, and any state --stop--> STOPPED.  A
  * directory offered in another state than RUNNING is dropped: there is no
- * one to list it.  The thread is detached and never joined: its getdents64
- * may wait on a READDIRPLUS that only the loop threads answer, and they may
- * be gone when the bridge stops; it ends at its next wake-up after stop, or
- * with the process.  It holds no lock across a syscall, and a directory of
- * the mount open only while it reads it (an external non-lazy umount may
- * see EBUSY in that window; the anchor unmounts lazily).
+ * one to list it.  The listings themselves are read by a child process
+ * (see "the reader process" below), which the prefetch thread drives over
+ * two pipes; the thread keeps the stack and the budgets and asks
+ * bridge_meta.c which directories to list.  It is detached and never
+ * joined; at stop the reader is killed, and the thread, reading its EOF,
+ * closes the pipes, reaps it and ends.  An entry that changed in the last
+ * two seconds (a file being written into the live base) comes in a listing
+ * without attributes, so the kernel looks it up when it needs it
+ * (bridge_meta.c, changing()).
  *
  * Bounded: PREFETCH_STACK directories wait (a full stack refuses more);
  * the entry budgets above bound what the kernel and the bridge's node table
@@ -56,14 +61,19 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define PREFETCH_STACK 1024
 #define PREFETCH_WALK_ENTRIES 8192
 #define PREFETCH_MAX_ENTRIES 32768
 #define PREFETCH_BUF (64u << 10) /* the kernel asks READDIRPLUS for this much */
+/* Entries a full READDIRPLUS reply of PREFETCH_BUF bytes holds at the least:
+ * a fuse_direntplus is 152 bytes plus the name, padded to 8. */
+#define PREFETCH_FULL_REPLY (PREFETCH_BUF / (152 + NAME_MAX + 1))
 
 enum prefetch_state { PF_IDLE, PF_ARMED, PF_RUNNING, PF_STOPPED };
 enum prefetch_event { PF_SET_MOUNTPOINT, PF_START, PF_STOP };
@@ -80,6 +90,8 @@ static struct {
     struct pending stack[PREFETCH_STACK]; /* the newest at len - 1 */
     unsigned len;
     long listed; /* entries listed so far (the budgets) */
+    pid_t reader; /* the reader process (see below), 0 before it starts */
+    int to_reader, from_reader; /* the prefetch thread's ends of its pipes */
 } g_pf = {.enabled = 1};
 static pthread_mutex_t g_pf_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_pf_cond = PTHREAD_COND_INITIALIZER;
@@ -184,13 +196,6 @@ static void push_children(const char *path, const char *buf, long got)
     pthread_mutex_unlock(&g_pf_lock);
 }
 
-static long entries_in(const char *buf, long got)
-{
-    long n = 0;
-    for (long at = 0; at < got; n++)
-        at += ((const struct dirent64 *)(buf + at))->d_reclen;
-    return n;
-}
 
 /* The kernel keeps a directory's listing (no OPENDIR: FOPEN_CACHE_DIR) until
  * an invalidation.  Only its entries were wanted: the listing itself is
@@ -204,48 +209,195 @@ static void forget_listing(uint64_t node)
     pthread_mutex_unlock(&g_pf_session_lock);
 }
 
-static void list_through_mount(const struct pending *p)
+/* -- the reader process ----------------------------------------------------
+ *
+ * The listings are read by a child process, never by a thread of the bridge:
+ * a FUSE request the bridge's loop thread has already taken cannot be
+ * abandoned by its caller, even on SIGKILL, so a bridge killed while one of
+ * its own threads waited on its mount could never finish exiting (its
+ * /dev/fuse fd would stay open and the mount would hang).  The child holds
+ * no fd but its two pipes, so a dead bridge's connection ends at once, and
+ * the child's pending getdents64 with it.  The child uses only
+ * async-signal-safe calls (it is forked from a threaded process): per
+ * directory it reads a path, answers the st_ino it opened (or -errno), reads
+ * the parent's go or skip, and sends the getdents64 buffers, then a zero
+ * length.  It ends on EOF, on a broken pipe, or with its parent
+ * (PR_SET_PDEATHSIG). */
+
+static int full_read(int fd, void *buf, size_t n)
 {
-    char full[PATH_MAX];
-    int n = snprintf(full, sizeof full, "%s%s%s", g_pf.mountpoint, *p->path ? "/" : "", p->path);
-    if (n < 0 || (size_t)n >= sizeof full)
-        return;
-    int fd = open(full, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd < 0)
-        return; /* gone, renamed, or the mount is ending: nothing to learn */
-    /* The root is listed once, whoever answers it (its READDIRPLUS teaches
-     * bridge_meta.c which of its directories are clean); any other directory
-     * only if the bridge answers it and nobody listed it yet. */
-    static int root_listed; /* one thread */
-    struct stat st;
-    uint64_t node = 0;
-    if (!*p->path)
-        node = root_listed ? 0 : 1;
-    else if (fstat(fd, &st) == 0)
-        node = meta_claim_listing((uint64_t)st.st_ino);
-    if (node == 0) {
-        close(fd);
-        return;
-    }
-    root_listed = 1;
-    static char buf[PREFETCH_BUF]; /* one thread */
-    long got;
-    for (;;) {
-        got = syscall(SYS_getdents64, fd, buf, sizeof buf);
+    for (size_t done = 0; done < n;) {
+        ssize_t got = read(fd, (char *)buf + done, n - done);
         if (got < 0 && errno == EINTR)
             continue;
         if (got <= 0)
+            return -1;
+        done += (size_t)got;
+    }
+    return 0;
+}
+
+static int full_write(int fd, const void *buf, size_t n)
+{
+    for (size_t done = 0; done < n;) {
+        ssize_t put = write(fd, (const char *)buf + done, n - done);
+        if (put < 0 && errno == EINTR)
+            continue;
+        if (put <= 0)
+            return -1;
+        done += (size_t)put;
+    }
+    return 0;
+}
+
+static long entries_in(const char *buf, long got)
+{
+    long n = 0;
+    for (long at = 0; at < got; n++)
+        at += ((const struct dirent64 *)(buf + at))->d_reclen;
+    return n;
+}
+
+/* One directory, in the child: 0 to go on, -1 when the parent is gone. */
+static int child_list_one(const char *mountpoint, size_t mlen, char *buf)
+{
+    uint32_t len;
+    char full[PATH_MAX];
+    if (full_read(0, &len, sizeof len) != 0 || len >= sizeof full - mlen - 1)
+        return -1;
+    memcpy(full, mountpoint, mlen);
+    full[mlen] = '/';
+    if (full_read(0, full + mlen + 1, len) != 0)
+        return -1;
+    full[mlen + 1 + len] = '\0';
+    int fd = open(full, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    struct stat st;
+    int64_t answer[2] = {fd < 0 ? -errno : 0, 0};
+    if (fd >= 0 && fstat(fd, &st) == 0)
+        answer[1] = (int64_t)st.st_ino;
+    else if (fd >= 0)
+        answer[0] = -errno;
+    if (full_write(1, answer, sizeof answer) != 0)
+        return -1;
+    if (answer[0] != 0) {
+        if (fd >= 0)
+            close(fd);
+        return 0;
+    }
+    uint8_t go;
+    if (full_read(0, &go, 1) != 0)
+        return -1;
+    for (long got = 0; go;) {
+        got = syscall(SYS_getdents64, fd, buf, PREFETCH_BUF);
+        if (got < 0 && errno == EINTR)
+            continue;
+        uint32_t n = got > 0 ? (uint32_t)got : 0;
+        if (full_write(1, &n, sizeof n) != 0 || full_write(1, buf, n) != 0)
+            return -1;
+        /* The bridge fills a READDIRPLUS reply as far as it holds (at least
+         * PREFETCH_FULL_REPLY entries of any name length): a reply with fewer
+         * was the directory's last, so the empty one after it is not asked
+         * for (a shorter reply from the shard only ends this listing early). */
+        if (n == 0 || entries_in(buf, got) < PREFETCH_FULL_REPLY) {
+            if (n != 0) {
+                uint32_t end = 0;
+                if (full_write(1, &end, sizeof end) != 0)
+                    return -1;
+            }
             break;
-        long entries = entries_in(buf, got);
+        }
+    }
+    close(fd);
+    return 0;
+}
+
+static void child_main(int cmd, int res, const char *mountpoint, char *buf)
+{
+    if (dup2(cmd, 0) < 0 || dup2(res, 1) < 0)
+        _exit(1);
+    syscall(SYS_close_range, 2u, ~0u, 0u); /* /dev/fuse, rings, sockets, logs: none */
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    size_t mlen = strlen(mountpoint);
+    while (child_list_one(mountpoint, mlen, buf) == 0)
+        ;
+    _exit(0);
+}
+
+/* Start the reader process: 0, or -1 (no prefetch). */
+static int start_reader(void)
+{
+    int cmd[2], res[2];
+    if (pipe2(cmd, O_CLOEXEC) != 0)
+        return -1;
+    if (pipe2(res, O_CLOEXEC) != 0) {
+        close(cmd[0]);
+        close(cmd[1]);
+        return -1;
+    }
+    static char child_buf[PREFETCH_BUF]; /* the child's copy of this page range */
+    pid_t pid = fork();
+    if (pid == 0)
+        child_main(cmd[0], res[1], g_pf.mountpoint, child_buf);
+    close(cmd[0]);
+    close(res[1]);
+    if (pid < 0) {
+        close(cmd[1]);
+        close(res[0]);
+        return -1;
+    }
+    g_pf.reader = pid;
+    g_pf.to_reader = cmd[1];
+    g_pf.from_reader = res[0];
+    return 0;
+}
+
+/* One directory through the reader: its node id when listed (entries counted,
+ * the walk's subdirectories pushed), 0 when skipped, -1 when the reader is
+ * gone. */
+static int64_t list_through_mount(const struct pending *p)
+{
+    static int root_listed; /* one thread */
+    static char buf[PREFETCH_BUF];
+    uint32_t len = (uint32_t)strlen(p->path);
+    int64_t answer[2];
+    if (full_write(g_pf.to_reader, &len, sizeof len) != 0 ||
+        full_write(g_pf.to_reader, p->path, len) != 0 ||
+        full_read(g_pf.from_reader, answer, sizeof answer) != 0)
+        return -1;
+    if (answer[0] != 0)
+        return 0; /* gone, renamed, or the mount is ending: nothing to learn */
+    /* The root is listed once, whoever answers it (its READDIRPLUS teaches
+     * bridge_meta.c which of its directories are clean); any other directory
+     * only if the bridge answers it and nobody listed it yet. */
+    uint64_t node = 0;
+    if (!*p->path)
+        node = root_listed ? 0 : 1;
+    else
+        node = meta_claim_listing((uint64_t)answer[1]);
+    uint8_t go = node != 0;
+    if (full_write(g_pf.to_reader, &go, 1) != 0)
+        return -1;
+    if (!go)
+        return 0;
+    root_listed = 1;
+    for (;;) {
+        uint32_t n;
+        if (full_read(g_pf.from_reader, &n, sizeof n) != 0 || n > sizeof buf ||
+            full_read(g_pf.from_reader, buf, n) != 0)
+            return -1;
+        if (n == 0)
+            break;
+        long entries = entries_in(buf, n);
         pthread_mutex_lock(&g_pf_lock);
         g_pf.listed += entries;
         pthread_mutex_unlock(&g_pf_lock);
         if (p->walked)
-            push_children(p->path, buf, got);
+            push_children(p->path, buf, n);
     }
-    close(fd);
-    forget_listing(node);
-    bridge_count(BRIDGE_STAT_PREFETCHES);
+    return (int64_t)node;
 }
 
 static void *prefetch_thread(void *unused)
@@ -255,9 +407,19 @@ static void *prefetch_thread(void *unused)
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL); /* the loop threads take the signals */
     for (struct pending p; pop(&p);) {
-        list_through_mount(&p);
+        int64_t node = list_through_mount(&p);
         free(p.path);
+        if (node < 0)
+            break; /* the reader is gone: no more prefetch */
+        if (node > 0) {
+            forget_listing((uint64_t)node);
+            bridge_count(BRIDGE_STAT_PREFETCHES);
+        }
     }
+    close(g_pf.to_reader); /* the reader ends at EOF, if it has not already */
+    close(g_pf.from_reader);
+    kill(g_pf.reader, SIGKILL);
+    waitpid(g_pf.reader, NULL, 0);
     return NULL;
 }
 
@@ -273,8 +435,15 @@ void prefetch_start(void)
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         pthread_attr_setstacksize(&attr, 256u << 10);
-        if (pthread_create(&tid, &attr, prefetch_thread, NULL) != 0)
+        if (start_reader() != 0)
             next = next_state(PF_STOP); /* no prefetch: slower, not wrong */
+        else if (pthread_create(&tid, &attr, prefetch_thread, NULL) != 0) {
+            kill(g_pf.reader, SIGKILL);
+            waitpid(g_pf.reader, NULL, 0);
+            close(g_pf.to_reader);
+            close(g_pf.from_reader);
+            next = next_state(PF_STOP);
+        }
         pthread_attr_destroy(&attr);
         if (next == PF_STOPPED) {
             g_pf.state = PF_STOPPED;
@@ -289,6 +458,8 @@ void prefetch_stop(void)
 {
     pthread_mutex_lock(&g_pf_session_lock);
     pthread_mutex_lock(&g_pf_lock);
+    if (g_pf.state == PF_RUNNING)
+        kill(g_pf.reader, SIGKILL); /* its thread then reads EOF, closes and reaps */
     g_pf.state = (enum prefetch_state)next_state(PF_STOP);
     while (g_pf.len > 0)
         free(g_pf.stack[--g_pf.len].path);

@@ -615,8 +615,8 @@ class Anchor:
         mount = self.mounts.get(path)
         if mount is None:
             raise NotFound("no Slates mount there", directory=path)
-        # The bridge's own prefetch listing (native/bridge_prefetch.c) is not a user.
-        if not force and (users := [p for p in users_of(path) if p != mount.process.pid]):
+        # The bridge's own prefetch reader (native/bridge_prefetch.c) is not a user.
+        if not force and (users := users_of(path, besides=mount.process.pid)):
             raise InvalidArgument(
                 "the mount is in use (a process has a file or directory open there); "
                 "close it, or unmount with --force to detach it lazily",

@@ -320,13 +320,16 @@ def orphan_bridges(runtime: Path, served: set[int]) -> dict[int, str]:
     return found
 
 
-def users_of(path: str) -> list[int]:
+def users_of(path: str, *, besides: int = 0) -> list[int]:
     """Processes with a cwd, root, open file or mapping under `path` (read from /proc,
-    which names paths without asking the mounted file system anything)."""
+    which names paths without asking the mounted file system anything), but for
+    process `besides` and its children (a bridge and its prefetch reader)."""
     prefix = path.rstrip("/") + "/"
     users: list[int] = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
+            continue
+        if besides and besides in (int(entry.name), _parent_of(entry.name)):
             continue
         links: list[str] = []
         with contextlib.suppress(OSError):
@@ -340,6 +343,14 @@ def users_of(path: str) -> list[int]:
         if any(link == path or link.startswith(prefix) for link in links):
             users.append(int(entry.name))
     return users
+
+
+def _parent_of(pid: str) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state
 
 
 def is_bridge(pid: int) -> bool:
