@@ -4,15 +4,18 @@ Theory of operation: every command here is thin over the blocking SDK
 (slates.sdk.Client).  It parses its arguments, opens one Client on the
 runtime directory (`--runtime-dir`, else the SDK's default:
 $SLATES_RUNTIME_DIR, /run/slates for root, ...), makes its calls, closes
-the client and prints what came back: rich tables for people, or the SDK's
-own data as JSON with `--json`.  No command computes figures of its own.
+the client and prints what came back: rich tables for people (one volume's
+facts as plain aligned lines, `facts_text`), or the SDK's own data as JSON
+with `--json`.  No command computes figures of its own.
 The client acts as $SLATES_TOKEN's agent when it is set (mount and
 unmount too), else as the operator.
 
 Start-up: a command is a fresh process, so it loads only what it uses.
 The Client talks over plain sockets without rings (slates.sdk.blocking: no
 trio, no ring extension), json loads only for `--json`, and rich only
-where a table or a spinner is shown.  Nothing of the service's side loads
+where a table or a spinner is shown: not for one volume's facts, so `volume
+create` (with `--mount` too), `volume show`, `clone`, `green create` and
+`work create` print without it.  Nothing of the service's side loads
 but the wire and the state file: sizes are parsed (slates.node.anchor)
 only when given, and the quota is shown against this module's UNLIMITED,
 not the core's.  Each command connects to what it needs, once: a volume
@@ -60,6 +63,7 @@ reads its base, or while `green create --base` captures it), never in
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -76,6 +80,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNK",
+    "facts_text",
+    "terminal_columns",
     "register",
     "status",
     "volume",
@@ -258,26 +264,54 @@ def _role(info: dict[str, Any]) -> list[tuple[str, str]]:
     return []
 
 
-def _volume_facts(title: str, info: dict[str, Any]) -> Table:
+def terminal_columns() -> int:
+    """The terminal's columns as shutil.get_terminal_size finds them ($COLUMNS, else the
+    terminal of stdout, else 80), without importing shutil (and the compression modules
+    it loads) for it."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns > 0:
+        return columns
+    stdout = sys.__stdout__
+    try:
+        columns = os.get_terminal_size(stdout.fileno()).columns if stdout else 0
+    except (ValueError, OSError):
+        columns = 0
+    return columns or 80
+
+
+def facts_text(title: str, rows: list[tuple[str, str]]) -> str:
+    """One thing's facts for people: `title`, then each fact's name and value in two
+    columns, laid out as click lays out the options of a help page (its definition
+    list), to the terminal's width.  Not a rich table: a command that shows one volume
+    (`volume create` above all) would pay rich's import, tens of ms, for it."""
+    formatter = click.HelpFormatter(width=max(terminal_columns(), 40))
+    formatter.write_text(title)
+    if rows:  # click's list needs one row at least
+        formatter.indent()
+        formatter.write_dl(rows)
+    return formatter.getvalue()
+
+
+def _volume_facts(info: dict[str, Any]) -> list[tuple[str, str]]:
     counters = info["counters"]
     # A new work volume's "base" is its version (in "role"), not a directory.
     base = info["base"] if isinstance(info["base"], str) else "-"
-    return _facts(
-        title,
-        [
-            ("id", str(info["id"])),
-            ("name", str(info["name"])),
-            ("shard", str(info["shard"])),
-            *_role(info),
-            ("base", base),
-            ("quota", format_quota(info)),
-            ("referenced", format_bytes(counters["referenced_bytes"])),
-            ("unique", format_bytes(counters["unique_bytes"])),
-            ("metadata", format_bytes(counters["metadata_bytes"])),
-            ("charged", format_bytes(counters["charged_bytes"])),
-            ("host physical", format_bytes(counters["host_physical_bytes"])),
-        ],
-    )
+    return [
+        ("id", str(info["id"])),
+        ("name", str(info["name"])),
+        ("shard", str(info["shard"])),
+        *_role(info),
+        ("base", base),
+        ("quota", format_quota(info)),
+        ("referenced", format_bytes(counters["referenced_bytes"])),
+        ("unique", format_bytes(counters["unique_bytes"])),
+        ("metadata", format_bytes(counters["metadata_bytes"])),
+        ("charged", format_bytes(counters["charged_bytes"])),
+        ("host physical", format_bytes(counters["host_physical_bytes"])),
+    ]
 
 
 def _show_volume(title: str, info: dict[str, Any], as_json: bool) -> None:
@@ -285,7 +319,7 @@ def _show_volume(title: str, info: dict[str, Any], as_json: bool) -> None:
     if as_json:
         _echo_json(info)
     else:
-        _print(_volume_facts(title, info))
+        click.echo(facts_text(title, _volume_facts(info)), nl=False)
 
 
 def _volume_table(volumes: list[dict[str, Any]]) -> Table:
@@ -464,7 +498,7 @@ def volume_create(
     if as_json:
         _echo_json(info if mounted is None else {**info, "mount": mounted})
         return
-    _print(_volume_facts(f"Created volume {info['id']}", info))
+    _show_volume(f"Created volume {info['id']}", info, as_json=False)
     if mounted is not None:
         click.echo(_mounted_line(mounted))
 

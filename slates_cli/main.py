@@ -19,20 +19,33 @@ stdin/stdout.
 
 Start-up: the commands of slates_cli.land (land, read-base, rewitness),
 slates_cli.agents (agent) and slates_cli.fleet (fleet) load only when one
-of them is named or the command list is shown (LAZY_COMMANDS, through
-_LazyGroup), so every other command skips importing and building them.
+of them is named (LAZY_COMMANDS, through _LazyGroup), so every other
+command skips importing and building them; the command list of `--help`
+shows their summaries from LAZY_COMMANDS without loading them.  Help finds
+its width as click does, without the shutil import click makes for it
+(help_width).  A `slates` process (the console script, `python -m
+slates_cli.main`: `main` called without arguments) ends at once when its
+command is done: standard output and error flushed, then os._exit with the
+command's exit code, skipping the interpreter's teardown of every module
+(several ms).  It does so only when nothing could still need the teardown:
+one thread, no atexit callbacks, and not a serving command (QUICK_EXIT_NEVER);
+else, and whenever `main` is called with arguments (tests, CliRunner), it
+exits as any Python program does.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import threading
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from slates.errors import SlatesError
 
-from .commands import register, runtime_dir_option
+from .commands import register, runtime_dir_option, terminal_columns
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -41,46 +54,151 @@ if TYPE_CHECKING:
 
     from .demo import DemoResult
 
-__all__ = ["main", "demo", "exit_code_for", "format_size", "format_units", "print_demo"]
+__all__ = [
+    "main",
+    "demo",
+    "exit_code_for",
+    "format_size",
+    "format_units",
+    "help_width",
+    "print_demo",
+]
 
 KIB = 1024
 MIB = 1024 * 1024
 
-LAZY_COMMANDS: dict[str, tuple[str, str]] = {
-    "agent": ("slates_cli.agents", "agent"),
-    "fleet": ("slates_cli.fleet", "fleet"),
-    "land": ("slates_cli.land", "land"),
-    "read-base": ("slates_cli.land", "read_base"),
-    "rewitness": ("slates_cli.land", "rewitness"),
+LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "agent": (
+        "slates_cli.agents",
+        "agent",
+        "Agents' credentials: what an agent may do is less than the operator.",
+    ),
+    "fleet": (
+        "slates_cli.fleet",
+        "fleet",
+        "Many hosts: the fleet's CA, enrolled hosts and their liveness.",
+    ),
+    "land": (
+        "slates_cli.land",
+        "land",
+        "Land a green version or a work volume into a directory, with a human's approval.",
+    ),
+    "read-base": (
+        "slates_cli.land",
+        "read_base",
+        "Print what MANIFEST's target directory holds at PATH now.",
+    ),
+    "rewitness": (
+        "slates_cli.land",
+        "rewitness",
+        "Record what the disk holds now as MANIFEST's witness: a new manifest to approve.",
+    ),
 }
-"""Commands loaded when named: their name, module and attribute."""
+"""Commands loaded when named: their name, module, attribute, and the first paragraph of
+their help (what `--help`'s command list shows; tests/test_cli_startup.py checks that it
+is the command's own)."""
+QUICK_EXIT_NEVER = frozenset({"anchor", "mcp", "demo"})
+"""Commands that run services or start processes: they exit through the interpreter's
+teardown, whatever they leave behind."""
+HELP_MAX_WIDTH = 80
+"""click's default widest help (HelpFormatter's max_width)."""
+
+
+def help_width() -> int:
+    """The width click gives help when nothing sets one: the terminal's columns
+    (slates_cli.commands.terminal_columns, found as shutil finds them) at most
+    HELP_MAX_WIDTH, less 2, and at least 50."""
+    return max(min(terminal_columns(), HELP_MAX_WIDTH) - 2, 50)
 
 
 class _LazyGroup(click.Group):
     """A group whose LAZY_COMMANDS are imported (and added) on first lookup; its
-    command list, and so its help, is the same as with every command added up front."""
+    command list, and so its help, is the same as with every command added up front.
+    Called as the process's entry point it ends the process quickly (see the module
+    docstring)."""
+
+    _listing = False  # True while the command list of --help is being written
+    resolved: str | None = None  # the subcommand this invocation runs, once known
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*self.commands, *LAZY_COMMANDS})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name not in self.commands and cmd_name in LAZY_COMMANDS:
+            module, attribute, summary = LAZY_COMMANDS[cmd_name]
+            if self._listing:  # the list shows the summary alone: nothing to load for it
+                return click.Command(cmd_name, help=summary)
             import importlib
 
-            module, attribute = LAZY_COMMANDS[cmd_name]
             command: click.Command = getattr(importlib.import_module(module), attribute)
             self.add_command(command, cmd_name)
         return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self._listing = True
+        try:
+            super().format_commands(ctx, formatter)
+        finally:
+            self._listing = False
 
     def resolve_command(
         self, ctx: click.Context, args: list[str]
     ) -> tuple[str | None, click.Command | None, list[str]]:
         try:
-            return super().resolve_command(ctx, args)
+            name, command, rest = super().resolve_command(ctx, args)
         except click.exceptions.NoSuchCommand:
-            for name in LAZY_COMMANDS:  # "did you mean" chooses among every command
-                self.get_command(ctx, name)
-            return super().resolve_command(ctx, args)
+            for lazy in LAZY_COMMANDS:  # "did you mean" chooses among every command
+                self.get_command(ctx, lazy)
+            name, command, rest = super().resolve_command(ctx, args)
+        self.resolved = name
+        return name, command, rest
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        # The width every help of this invocation inherits: click's own, found without
+        # the shutil import (and its compression modules) click would make for it.
+        if (
+            parent is None
+            and extra.get("terminal_width") is None
+            and self.context_settings.get("terminal_width") is None
+            and click.formatting.FORCED_WIDTH is None  # CliRunner's fixed width
+        ):
+            extra["terminal_width"] = help_width()
+        return super().make_context(info_name, args, parent, **extra)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs.get("args") is not None or not kwargs.get("standalone_mode", True):
+            return self.main(*args, **kwargs)
+        self.resolved = None
+        try:
+            self.main(**kwargs)  # standalone: it always ends in SystemExit
+        except SystemExit as done:
+            if self.resolved in QUICK_EXIT_NEVER:
+                raise
+            _exit_now(done)
+        raise SystemExit(0)  # pragma: no cover - main never returns in standalone mode
+
+
+def _exit_now(done: SystemExit) -> NoReturn:
+    """End the process as `raise done` would, without the interpreter's teardown, when
+    nothing can need it (one thread, no atexit callbacks); else raise `done`."""
+    if threading.active_count() != 1 or atexit._ncallbacks():
+        raise done
+    code = done.code
+    try:
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)  # what SystemExit("message") prints
+            code, done = 1, SystemExit(1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed pipe, say: the usual exit reports it
+        raise done from None
+    os._exit(code or 0)
 
 
 def exit_code_for(error: SlatesError) -> int:

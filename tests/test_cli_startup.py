@@ -17,8 +17,15 @@ measures it (bench/RESULTS.md).
 
 What is checked, per hot command (issue 14: create + mount from the CLI):
 - `--help`, a subcommand's help and a usage error load no slates module
-  but slates.errors, and none of rich, msgpack, the SDK, pathlib, socket
-  or json;
+  but slates.errors, and none of rich, msgpack, the SDK, pathlib, socket,
+  json or shutil; `--help` lists the lazily loaded commands (land, agent,
+  fleet, ...) without loading their modules, by summaries that are their
+  own short help at any width (and the list is the same once they are
+  loaded), at the width click would choose (help_width, checked against
+  click's own HelpFormatter);
+- a `slates` process skips the interpreter's teardown when nothing needs
+  it (its exit code and output unchanged, through a pipe), and not with a
+  second thread or for a serving command (`anchor`);
 - a request loads of the service's side (slates.node) only the runtime
   directory's state file (runtime): not the wire's server side (protocol:
   the SDK speaks it through slates.wire), never the anchor (a size parser
@@ -32,12 +39,19 @@ What is checked, per hot command (issue 14: create + mount from the CLI):
   ask every shard once and the anchor never (mounts come from its state
   file); `volume create` asks every shard once (the name check, then the
   create on its home shard over the same connection), and with `--mount`
-  the anchor once more, in the same process.  Without rings the first
+  the anchor once more, in the same process.  One volume's facts (`volume
+  create`, `volume show`) print as plain aligned lines, without rich
+  (facts_text: one fact a line, values in one column).  Without rings the first
   request to a shard travels in the hello's send (one round trip, not two):
   checked against a listening socket that answers nothing until it has
-  both, and a refused hello still raises the shard's error.  Closing sends
-  every shard its goodbye before awaiting any answer (two listening
-  sockets that each answer only once both goodbyes came).
+  both, and a refused hello still raises the shard's error.  One request
+  to several shards is sent to all before any reply is awaited (two
+  listening sockets that each answer only once both requests came), and a
+  refusal from one leaves no reply behind.  Closing sends every shard its
+  goodbye and awaits no answer (listening sockets that answer nothing see
+  the client's end), and the shard still reads each goodbye: an agent's
+  clients that close so never use up its client ids, while clients that
+  leave without a goodbye do.
 
 The mount flags (issue 12) are checked on real mounts: `--allow-other`
 reaches the kernel's mount options, and mount and unmount carry the
@@ -52,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import socket
@@ -64,19 +79,23 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
+from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
 from slates.core.host import UNLIMITED
-from slates.errors import NotFound, SlatesError, VerificationFailed
+from slates.errors import CapacityExhausted, NotFound, SlatesError, VerificationFailed
 from slates.node.anchor import spawn_anchor, stop_process
 from slates.node.protocol import FrameReader, error_reply, frame, ok_reply, pack, unpack
+from slates.node.service import MAX_AGENT_CLIENTS
 from slates.sdk import Client
 from slates.sdk.blocking import ALONG_MOST, BlockingShardConnection, BlockingTransport
 from slates.sdk.client import _run_to_end
 from slates.sdk.session import RECONNECT_SECONDS, RETRY_MOST, Reconnect, ShardSession
 from slates_cli import commands
+from slates_cli.main import LAZY_COMMANDS, help_width, main
 from tests.anchor_fixture import Service, service
 
 __all__ = ["service"]  # the fixture, re-exported for pytest
@@ -85,7 +104,7 @@ SLATES = str(Path(sys.executable).with_name("slates"))
 
 HEAVY = ("trio", "rich", "msgpack", "pygit2", "blake3")
 """Third-party modules that only some commands need."""
-NEVER_FOR_HELP = (*HEAVY, "pathlib", "socket", "json")
+NEVER_FOR_HELP = (*HEAVY, "pathlib", "socket", "json", "shutil")
 """Besides HEAVY, what only talking to the service or printing data needs."""
 SLATES_FOR_HELP = frozenset({"slates", "slates.errors"})
 """The only slates modules help and usage errors load (the CLI's own modules aside)."""
@@ -184,10 +203,14 @@ def _mount_options(directory: Path) -> set[str]:
     raise AssertionError(f"nothing is mounted at {directory}")
 
 
-def _check_help(probe: Probe) -> None:
+def _check_help(probe: Probe, *, lazy: tuple[str, ...] = ()) -> None:
+    """What help loads: click and the CLI's commands; of slates, the errors; nothing of
+    NEVER_FOR_HELP; of the lazily loaded command modules, those in `lazy` at most."""
     assert probe.of("slates") <= SLATES_FOR_HELP, sorted(probe.of("slates"))
     assert not probe.any_of(NEVER_FOR_HELP), sorted(probe.any_of(NEVER_FOR_HELP))
     assert "click" in probe.loaded and "slates_cli.commands" in probe.loaded
+    lazily = {module for module, _, _ in LAZY_COMMANDS.values()}
+    assert probe.loaded & lazily <= set(lazy), sorted(probe.loaded & lazily)
     assert probe.connected == ()
 
 
@@ -218,9 +241,145 @@ def _check_request(probe: Probe, *, tables: bool) -> None:
 def test_help_and_usage_errors_load_no_heavy_module(tmp_path: Path, args: tuple[str, ...]) -> None:
     done, probe = _run(tmp_path, *args)
     assert done.returncode == (2 if args == ("volume", "create") else 0), done.stderr
-    _check_help(probe)
+    _check_help(probe, lazy=("slates_cli.land",) if args[0] == "land" else ())
     if args == ("--help",):
         assert "volume" in done.stdout and "mount" in done.stdout
+        for name, (_, _, summary) in LAZY_COMMANDS.items():  # listed, not loaded
+            assert f"  {name} " in done.stdout and summary.split()[0] in done.stdout
+
+
+@given(st.integers(0, 200))
+def test_the_lazy_commands_are_listed_with_their_own_help(limit: int) -> None:
+    # --help lists a lazy command by the summary in LAZY_COMMANDS: what click would show
+    # for the command itself, at any width.
+    for name, (module, attribute, summary) in LAZY_COMMANDS.items():
+        command = getattr(importlib.import_module(module), attribute)
+        assert command.name == name
+        listed = click.Command(name, help=summary)
+        assert listed.get_short_help_str(limit) == command.get_short_help_str(limit)
+
+
+def test_the_command_list_is_the_same_whether_lazy_commands_are_loaded_or_not() -> None:
+    runner = CliRunner()
+    lazily = runner.invoke(main, ["--help"], terminal_width=100)
+    for name in LAZY_COMMANDS:
+        main.get_command(click.Context(main), name)  # now loaded, as after naming one
+    assert set(LAZY_COMMANDS) <= set(main.commands)
+    loaded = runner.invoke(main, ["--help"], terminal_width=100)
+    assert lazily.exit_code == loaded.exit_code == 0
+    assert lazily.output == loaded.output
+
+
+@given(
+    st.one_of(
+        st.none(),
+        st.integers(-5, 300).map(str),
+        st.sampled_from(["", "abc", "80x", " 90"]),
+    )
+)
+def test_help_is_as_wide_as_click_would_make_it(columns: str | None) -> None:
+    # help_width finds click's width without shutil: $COLUMNS, else the terminal (none
+    # under pytest's capture: 80), clamped to click's bounds.
+    saved = os.environ.get("COLUMNS")
+    try:
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
+        assert help_width() == click.HelpFormatter().width
+    finally:
+        if saved is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = saved
+
+
+_FACT = st.text(
+    st.characters(min_codepoint=33, max_codepoint=0x2FF, blacklist_categories=("Z", "C")),
+    min_size=1,
+    max_size=24,
+)
+
+
+@given(_FACT, st.lists(st.tuples(_FACT, _FACT), max_size=12))
+def test_facts_are_one_line_each_under_their_title(title: str, rows: list[tuple[str, str]]) -> None:
+    # Short facts (no spaces: nothing to wrap) come out one per line, in order, the names
+    # in one column and the values in the next.
+    saved = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"
+    try:
+        text = commands.facts_text(title, rows)
+    finally:
+        if saved is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = saved
+    lines = text.splitlines()
+    assert lines[0] == title and len(lines) == 1 + len(rows)
+    facts = lines[1:]
+    assert [line.split() for line in facts] == [[name, value] for name, value in rows]
+    starts = {
+        line.index(value, 2 + len(name)) for line, (name, value) in zip(facts, rows, strict=True)
+    }
+    assert len(starts) <= 1  # the values start in one column
+
+
+_QUICK_PROBE = """
+import os, sys, threading, time
+class _Teardown:  # the interpreter's teardown clears __main__, and so deletes this
+    def __del__(self, write=os.write):
+        write(2, b"TEARDOWN")
+_seen = _Teardown()
+if os.environ.get("PROBE_THREAD"):
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+from slates_cli.main import main
+sys.argv[0] = "slates"
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "thread", "code", "quick"),
+    [
+        (("--help",), False, 0, True),
+        (("volume", "create", "--help"), False, 0, True),
+        (("volume", "create"), False, 2, True),  # a usage error
+        (("status", "--runtime-dir", "/nonexistent/slates"), False, 2, True),  # NotFound
+        (("--help",), True, 0, False),  # another thread: the usual exit
+        (("anchor", "--help"), False, 0, False),  # a serving command: the usual exit
+    ],
+)
+def test_a_slates_process_ends_without_the_teardown_when_nothing_needs_it(
+    args: tuple[str, ...], thread: bool, code: int, quick: bool
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PROBE_THREAD"}
+    if thread:
+        env["PROBE_THREAD"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _QUICK_PROBE, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == code, done.stderr
+    assert ("TEARDOWN" not in done.stderr) == quick, done.stderr
+    if args[-1] == "--help":  # all of it, through the pipe
+        helped = CliRunner().invoke(main, list(args), prog_name="slates", terminal_width=78)
+        assert done.stdout == helped.output
+    elif code:
+        assert "Error" in done.stderr or "error:" in done.stderr
+
+
+def test_the_console_script_keeps_output_and_exit_codes(tmp_path: Path) -> None:
+    # The installed `slates` (the quick exit) writes everything through a pipe and exits
+    # with the command's code.
+    listing = subprocess.run([SLATES, "--help"], capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0
+    helped = CliRunner().invoke(main, ["--help"], prog_name="slates", terminal_width=78)
+    assert listing.stdout == helped.output
+    usage = subprocess.run([SLATES, "mount"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "Missing argument" in usage.stderr
 
 
 def test_the_probe_sees_what_a_command_loads(tmp_path: Path) -> None:
@@ -306,11 +465,17 @@ def test_requests_run_without_trio_and_still_work(service: Service, tmp_path: Pa
     assert probe.connections() == every_shard
     base = tmp_path / "project"
     base.mkdir()
-    done, probe = _run(tmp_path, "volume", "create", "table", "--base", str(base), *runtime)
+    # One volume's facts are no table: plain lines, without rich.
+    done, probe = _run(tmp_path, "volume", "create", "facts", "--base", str(base), *runtime)
     _ok(done)
-    assert "Created volume" in done.stdout and "dynamic" in done.stdout
-    _check_request(probe, tables=True)
+    made = next(line for line in done.stdout.splitlines() if line.startswith("Created volume"))
+    lines = done.stdout.splitlines()
+    assert lines[0] == made and lines[2].split() == ["name", "facts"] and "dynamic" in lines[5]
+    _check_request(probe, tables=False)
     assert probe.connections() == every_shard
+    done, probe = _run(tmp_path, "volume", "show", "facts", *runtime)
+    assert _ok(done) is None and done.stdout.splitlines()[1:] == lines[1:]
+    _check_request(probe, tables=False)
 
 
 def test_create_and_mount_in_one_command(service: Service, tmp_path: Path) -> None:
@@ -492,19 +657,20 @@ def test_the_first_request_rides_with_the_hello(tmp_path: Path, refused: bool, s
     assert seen == [1 if large else 2]  # what came before any answer
 
 
-def _shard_awaiting_both_goodbyes(
-    listener: socket.socket, together: threading.Barrier, byes: list[str]
+def _shard_not_answering_goodbyes(
+    listener: socket.socket, ends: list[str], patience: float
 ) -> None:
-    """Answer the hello and one request, then hold the goodbye's answer until the other
-    shard has its goodbye too (the barrier breaks if the client waits for us first)."""
+    """Answer the hello and one request; on the goodbye, answer nothing until the
+    client's end comes (within `patience` s): "closed" then, "awaited" if the client
+    waited for an answer instead."""
     conn, _ = listener.accept()
     listener.close()
     with conn:
-        conn.settimeout(10.0)
+        conn.settimeout(patience)
         reader = FrameReader()
-        frames: list[dict[str, Any]] = []
         answered = 0
-        while len(frames) < 3 and (data := conn.recv(1 << 16)):
+        frames: list[dict[str, Any]] = []
+        while data := conn.recv(1 << 16):
             reader.feed(data)
             while (payload := reader.next_frame()) is not None:
                 frames.append(unpack(payload))
@@ -513,28 +679,29 @@ def _shard_awaiting_both_goodbyes(
                     conn.sendall(frame(pack({"ok": True})))
                 elif message["op"] == "bye":
                     try:
-                        together.wait(5.0)
-                        byes.append("together")
-                    except threading.BrokenBarrierError:
-                        byes.append("alone")
-                    conn.sendall(frame(pack(ok_reply(message["seq"], {}))))
+                        ends.append("closed" if not conn.recv(1 << 16) else "more")
+                    except TimeoutError:
+                        ends.append("awaited")
+                    return
                 else:
                     conn.sendall(frame(pack(ok_reply(message["seq"], "pong"))))
             answered = len(frames)
 
 
-def test_closing_says_goodbye_to_every_shard_before_awaiting_answers(tmp_path: Path) -> None:
+def test_closing_says_goodbye_to_every_shard_and_awaits_no_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A client that awaited the answers would wait up to BYE_SECONDS, far past the shards'
+    # patience; one that does not closes each connection after its goodbye.
+    monkeypatch.setattr("slates.sdk.blocking.BYE_SECONDS", 60.0)
     paths = [str(tmp_path / f"shard-{i}.sock") for i in range(2)]
-    together = threading.Barrier(2)
-    byes: list[str] = []
+    ends: list[str] = []
     servers = []
     for path in paths:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
         listener.listen(1)
-        server = threading.Thread(
-            target=_shard_awaiting_both_goodbyes, args=(listener, together, byes)
-        )
+        server = threading.Thread(target=_shard_not_answering_goodbyes, args=(listener, ends, 20.0))
         server.start()
         servers.append(server)
     transport = BlockingTransport("client-1", rings=False, token=None)
@@ -544,9 +711,102 @@ def test_closing_says_goodbye_to_every_shard_before_awaiting_answers(tmp_path: P
     finally:
         _run_to_end(transport.close())
         for server in servers:
-            server.join(15)
-    assert byes == ["together", "together"]
+            server.join(30)
+    assert ends == ["closed", "closed"]
     assert all(shard.sock is None for shard in transport.shards)
+
+
+def test_a_goodbye_not_awaited_still_ends_the_client_at_the_shard(service: Service) -> None:
+    # An agent may hold MAX_AGENT_CLIENTS client ids with saved replies per shard.  Clients
+    # that leave without a goodbye use them up (the check is not blind); clients that say
+    # goodbye and close without its answer never do: the shard read each goodbye.
+    token = _add_agent(service, "many")
+    for _ in range(MAX_AGENT_CLIENTS + 8):
+        with Client(service.runtime, rings=False, token=token) as client:
+            client.call(0, "status")
+    shard = str(service.runtime / "shard-0.sock")
+    gone = 0
+    with pytest.raises(CapacityExhausted, match="too many client ids"):
+        while gone <= MAX_AGENT_CLIENTS:
+            connection = BlockingShardConnection(
+                shard, ShardSession(f"gone-{gone}", rings=False, token=token)
+            )
+            try:
+                connection.request("status", {})
+            finally:
+                connection.close()  # gone without a goodbye
+            gone += 1
+    assert gone == MAX_AGENT_CLIENTS
+
+
+def _shard_answering_once_both_asked(
+    listener: socket.socket, index: int, together: threading.Barrier, waits: list[str]
+) -> None:
+    """One connection: the hello answered at once; each request answered only once the
+    other shard has its request too (the barrier breaks if the client awaited us first):
+    NotFound for "missing" on shard 0, else [index, op, seq]."""
+    conn, _ = listener.accept()
+    listener.close()
+    with conn:
+        conn.settimeout(20.0)
+        reader = FrameReader()
+        with contextlib.suppress(OSError):
+            while data := conn.recv(1 << 16):
+                reader.feed(data)
+                while (payload := reader.next_frame()) is not None:
+                    message = unpack(payload)
+                    if "client" in message:
+                        conn.sendall(frame(pack({"ok": True})))
+                        continue
+                    if message["op"] == "bye":
+                        continue
+                    try:
+                        together.wait(5.0)
+                        waits.append("together")
+                    except threading.BrokenBarrierError:
+                        waits.append("alone")
+                    seq = message["seq"]
+                    if message["op"] == "missing" and index == 0:
+                        reply = error_reply(seq, NotFound("not here", shard=index))
+                    else:
+                        reply = ok_reply(seq, [index, message["op"], seq])
+                    conn.sendall(frame(pack(reply)))
+
+
+def test_one_request_to_several_shards_is_sent_to_all_before_any_reply(tmp_path: Path) -> None:
+    together = threading.Barrier(2)
+    waits: list[str] = []
+    servers = []
+    paths = [str(tmp_path / f"shard-{i}.sock") for i in range(2)]
+    for index, path in enumerate(paths):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        server = threading.Thread(
+            target=_shard_answering_once_both_asked, args=(listener, index, together, waits)
+        )
+        server.start()
+        servers.append(server)
+    transport = BlockingTransport("client-1", rings=False, token=None)
+    transport.open(paths)
+    try:
+        # Both connect with the request in the hello's send, then both replies are read.
+        assert _run_to_end(transport.request_each([0, 1], "list", {})) == [
+            [0, "list", 1],
+            [1, "list", 1],
+        ]
+        # A refusal is raised once both replies are in: none is left for the next request.
+        with pytest.raises(NotFound, match="not here"):
+            _run_to_end(transport.request_each([0, 1], "missing", {}))
+        assert _run_to_end(transport.request_each([1, 0], "list", {})) == [
+            [1, "list", 3],
+            [0, "list", 3],
+        ]
+    finally:
+        _run_to_end(transport.close())
+        for server in servers:
+            server.join(30)
+    assert waits == ["together"] * 6
 
 
 def _add_agent(service: Service, name: str) -> str:

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from slates import Client
 from slates.errors import AccessDenied, InvalidArgument
 from slates.node.anchor import is_mounted
+from slates.node.mounts import is_bridge
 from tests.anchor_fixture import Service, service, start_service
 
 __all__ = ["service"]
@@ -136,26 +137,46 @@ def test_mount_refuses_bad_directories(service: Service, tmp_path: Path) -> None
         assert not is_mounted(str(full)) and not is_mounted(str(theirs))
 
 
-def test_a_dead_bridge_leaves_no_stale_mount(service: Service, tmp_path: Path) -> None:
-    """A bridge killed with SIGKILL: the anchor either mounts the volume again with a
-    fresh bridge (README: the agent sees a pause) or, when that fails, removes the
-    mount; it never keeps listing a mount whose bridge is dead."""
+def wait_for_restart(client: Client, where: Path, dead: int, timeout: float = 60) -> int:
+    """The pid of the bridge serving `where` again after bridge `dead` died.  Until then
+    the mount must stay listed (health "restarting", pid `dead`, while a bridge starts
+    for it): a mount that leaves the list was removed, not restarted, and fails."""
+    deadline = time.monotonic() + timeout
+    while True:
+        mounts = [m for m in client.mounts() if m["directory"] == str(where)]
+        assert mounts, f"the mount at {where} was removed instead of restarted"
+        (mount,) = mounts
+        if mount["pid"] != dead:  # a new pid: it serves again
+            assert mount["health"] == "serving" and is_mounted(str(where)), mount
+            return int(mount["pid"])
+        assert mount["health"] in ("serving", "restarting"), mount
+        assert time.monotonic() < deadline, f"the mount was not restarted: {mount}"
+        time.sleep(0.02)
+
+
+def test_a_dead_bridge_is_restarted_and_serves_what_was_written(
+    service: Service, tmp_path: Path
+) -> None:
+    """A bridge killed with SIGKILL: the anchor mounts the same volume again on the same
+    directory (README: the agent sees a pause), and what was written reads back; then
+    `unmount` leaves nothing mounted and nothing listed."""
     with Client(service.runtime) as client:
         volume = client.create_volume("dies")
         where = tmp_path / "mnt"
         where.mkdir()
         info = client.mount(volume["id"], where)
+        (where / "written.txt").write_bytes(b"acknowledged\n")
         os.kill(info["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while True:  # (between the two, the mount is briefly unlisted while restarting)
-            mounts = client.status()["mounts"]
-            if not mounts and not is_mounted(str(where)):
-                break  # removed
-            if mounts and mounts[0]["pid"] != info["pid"] and is_mounted(str(where)):
-                os.listdir(where)  # restarted: the fresh bridge serves
-                break
-            assert time.monotonic() < deadline, f"a dead bridge's mount is still listed: {mounts}"
-            time.sleep(0.05)
+        pid = wait_for_restart(client, where, info["pid"])
+        assert (where / "written.txt").read_bytes() == b"acknowledged\n"
+        assert [m["volume"] for m in client.mounts()] == [volume["id"]]
+        (where / "after.txt").write_bytes(b"the restarted bridge writes too")
+        assert client.read(volume["id"], "/after.txt") == b"the restarted bridge writes too"
+        client.unmount(where)
+        assert not is_mounted(str(where)) and client.mounts() == []
+        assert not is_bridge(pid), f"the restarted bridge {pid} outlived its unmount"
+    log = (service.runtime.parent / f"{service.runtime.name}.log").read_text()
+    assert f"restarted the bridge for {where}" in log
 
 
 def test_bytes_written_without_fsync_are_in_a_snapshot(service: Service, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from slates.node.fsops import run_fs_op
 from tests.anchor_fixture import Service, service, start_service
 from tests.test_mount import mounted
 from tests.test_mount_clean_reads import MODES, live_mount
+from tests.test_mount_prefetch import wait_for
 
 __all__ = ["service"]
 
@@ -143,14 +144,6 @@ def test_a_fresh_tree_is_stated_and_read_without_the_shard_binding_it(
                 assert client.stat(vid, "/d/e/c")["size"] == (base / "d/e/c").stat().st_size
     finally:
         service.stop()
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.01)
 
 
 @MODES

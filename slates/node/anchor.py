@@ -21,9 +21,24 @@ by the loop once the mount is answered, never while a request waits.  A
 spare that died is replaced (bounded like the link); a mount that finds
 none, or a spare that dies with its job, starts a fresh bridge as before.
 The spare is no mount: it is not in the state file, `gc` never reaps it,
-and it is let go (by pid) when the anchor stops.  The spin calibration
-(slates.node.ring.cached_spin_ns) is done once here, before the shards
-start, so no bridge of this boot measures it.
+and it is let go (by pid) when the anchor stops.
+
+A bridge that dies unasked (not exit 0, which is an unmount from outside)
+is restarted on the same directory for the same volume: its dead FUSE
+connection is detached (lazily: programs still inside it get ENOTCONN
+there, since the kernel aborted that connection with the bridge's
+/dev/fuse fd), and a bridge (the spare, as for any mount) mounts the
+volume again, so paths under the directory serve what the shard holds,
+everything acknowledged included.  Until it serves, the mount stays
+listed with health "restarting" and the dead bridge's pid (a new pid
+means the mount serves again), so nobody takes a restart for a removal;
+no control request is answered meanwhile (the loop is restarting it).
+One that dies more than MAX_BRIDGE_RESTARTS times within RESTART_WINDOW,
+or whose restart fails, is removed, and the log says why; restarts are
+not nested (_reap_bridges).
+
+The spin calibration (slates.node.ring.cached_spin_ns) is done once here,
+before the shards start, so no bridge of this boot measures it.
 """
 
 from __future__ import annotations
@@ -61,8 +76,10 @@ from slates.node.mounts import (
     Bridge,
     BridgeJob,
     Spare,
+    abort_mount,
     bridge_error,
     clean_mountpoint,
+    exited_unreaped,
     give_job,
     is_bridge,
     is_mounted,
@@ -105,6 +122,8 @@ _UCRED = struct.Struct("3i")
 CONTROL_SECONDS = 2.0
 MAX_CONTROL_FRAME = 64 << 10  # control requests are small
 BRIDGE_START_SECONDS = 60.0
+BRIDGE_EXIT_SECONDS = 10.0  # for a bridge whose FUSE connection was aborted to let it exit
+STUCK_CHECK_SECONDS = 1.0  # how often bridges are looked at for an exit waitpid cannot see
 
 _UNITS = {
     "": 1,
@@ -140,6 +159,9 @@ def parse_size(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
+MountHealth = Literal["serving", "restarting"]
+
+
 @dataclass
 class _Mount:
     directory: str
@@ -153,6 +175,9 @@ class _Mount:
     token: str | None = None  # an agent's mount: its bridge acts as that agent
     counters: Path | None = None  # the bridge's --counters file
     log: Path | None = None  # its stderr
+    # "serving", or "restarting" while a bridge is being started again for it after its
+    # bridge died (`process` is still the dead one then: a new pid means it serves).
+    health: MountHealth = "serving"
 
 
 @dataclass
@@ -207,6 +232,8 @@ class Anchor:
         self.spare: Spare | None = None  # a started bridge waiting for its mount
         self.spare_deaths: deque[float] = deque()  # spares that died without a job
         self.spare_failed = False
+        self.restarting = False  # _reap_bridges is at work (it is not re-entered)
+        self.stuck_check = 0.0  # when bridges were last looked at for exited_unreaped
 
     def _open_to_agents(self, path: Path) -> None:
         if self.agent_group is None:
@@ -303,7 +330,7 @@ class Anchor:
             for s in self.slots
         )
         mounts = tuple(
-            MountInfo(m.directory, m.volume, m.process.pid, "serving") for m in self.mounts.values()
+            MountInfo(m.directory, m.volume, m.process.pid, m.health) for m in self.mounts.values()
         )
         self.runtime.write_state(AnchorState(os.getpid(), shards, self.capacity, mounts))
 
@@ -495,46 +522,14 @@ class Anchor:
         requests as that agent's (a green mounts read-only for it)."""
         allow_other = allow_other or uid != os.geteuid()
         path = os.path.realpath(directory)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            raise NotFound("the mount directory does not exist", directory=path) from None
-        if not stat.S_ISDIR(st.st_mode):
-            raise NotADirectory("the mount point is not a directory", directory=path)
-        if st.st_uid != uid:
-            raise AccessDenied("the mount directory belongs to another user", directory=path)
         if path in self.mounts or is_mounted(path):
             raise AlreadyExists("something is already mounted there", directory=path)
         for other in self.mounts.values():
             if other.volume == volume:  # kernel references are counted per volume
                 raise AlreadyExists("the volume is already mounted", directory=other.directory)
-        if os.listdir(path):
-            raise InvalidArgument("the mount directory is not empty", directory=path)
-        job = BridgeJob(
-            volume,
-            path,
-            self.runtime.path / f"counters-{volume}-{time.time_ns()}",
-            writeback,
-            allow_other,
-            token,
-        )
-        bridge = self._bridge_for(job)
-        started = self._wait_ready(bridge)
-        if started == "failed" and self._spare_was_killed(bridge):
-            # Not the mount's fault (the spare said nothing): a fresh bridge tries it once.
-            _log(f"the spare bridge (pid {bridge.process.pid}) died with its job")
-            bridge.log.unlink(missing_ok=True)
-            self._clean_mountpoint(path)
-            bridge = start_bridge(self.runtime.path, job, self._bridge_log())
-            started = self._wait_ready(bridge)
-        process, log_path, counters = bridge.process, bridge.log, job.counters
-        if started != "ready":
-            _wait_or_kill(process, 30)
-            message = _read_log(log_path)
-            log_path.unlink(missing_ok=True)
-            counters.unlink(missing_ok=True)
-            self._clean_mountpoint(path)
-            raise bridge_error(message)
+        _check_directory(path, uid)
+        job = self._job(volume, path, writeback, allow_other, token)
+        process, log = self._serve(job)
         self.mounts[path] = _Mount(
             path,
             volume,
@@ -544,12 +539,53 @@ class Anchor:
             allow_other=allow_other,
             principal=principal,
             token=token,
-            counters=counters,
-            log=log_path,
+            counters=job.counters,
+            log=log,
         )
         self._publish()
         _log(f"mounted {volume} at {path} (bridge pid {process.pid})")
         return {"directory": path, "volume": volume, "pid": process.pid}
+
+    def _job(
+        self, volume: str, path: str, writeback: bool, allow_other: bool, token: str | None
+    ) -> BridgeJob:
+        counters = self.runtime.path / f"counters-{volume}-{time.time_ns()}"
+        return BridgeJob(volume, path, counters, writeback, allow_other, token)
+
+    def _serve(self, job: BridgeJob) -> tuple[subprocess.Popen[bytes], Path]:
+        """A bridge serving `job` (the spare, else a fresh one; a fresh one once more if
+        the spare was killed holding it): its process and log, once its mount serves.
+        Raises the bridge's own error, with nothing of the attempt left behind."""
+        bridge = self._bridge_for(job)
+        started = self._wait_ready(bridge)
+        if started == "failed" and self._spare_was_killed(bridge):
+            # Not the mount's fault (the spare said nothing): a fresh bridge tries it once.
+            _log(f"the spare bridge (pid {bridge.process.pid}) died with its job")
+            bridge.log.unlink(missing_ok=True)
+            self._clean_mountpoint(job.mountpoint)
+            bridge = start_bridge(self.runtime.path, job, self._bridge_log())
+            started = self._wait_ready(bridge)
+        if started == "ready":
+            return bridge.process, bridge.log
+        _wait_or_kill(bridge.process, 30)
+        message = _read_log(bridge.log)
+        bridge.log.unlink(missing_ok=True)
+        job.counters.unlink(missing_ok=True)
+        self._clean_mountpoint(job.mountpoint)
+        if started == "killed":
+            # Its own words would say nothing of why: it was killed before it served.
+            details: dict[str, object] = {"directory": job.mountpoint}
+            if message:
+                details["output"] = message[-2000:]
+            if self.stopping:
+                reason = "the anchor is stopping"
+            else:
+                reason = f"it was not ready within {BRIDGE_START_SECONDS:.0f} s"
+            raise SlatesError(f"the mount bridge was stopped before it served: {reason}", **details)
+        error = bridge_error(message)
+        if type(error) is SlatesError:  # not its own words: say at least how it ended
+            error.details["exit_code"] = bridge.process.returncode
+        raise error
 
     def _bridge_log(self) -> Path:
         return self.runtime.path / f"bridge-{os.getpid()}-{len(self.mounts)}-{time.time_ns()}.log"
@@ -647,41 +683,97 @@ class Anchor:
 
     def _reap_bridges(self) -> None:
         """A bridge that died unasked is started again on its directory (bounded, like
-        shards): the agent in the mount sees a pause, and its open files fail."""
-        for path, mount in list(self.mounts.items()):
-            if mount.process.poll() is None:
-                continue
-            _log(
-                f"bridge for {path} (pid {mount.process.pid}) exited with "
-                f"{mount.process.returncode}; removing its mount"
+        shards): the agent in the mount sees a pause, and its open files fail.
+
+        Not re-entered: a restart waits for its bridge supervising the shards, and that
+        wait must not restart (or remove) a mount whose restart is the one waiting; a
+        second mount found dead meanwhile is restarted once the first is done."""
+        if self.restarting:
+            return
+        self.restarting = True
+        now = time.monotonic()
+        look_for_stuck = now - self.stuck_check >= STUCK_CHECK_SECONDS  # /proc reads: rarely
+        if look_for_stuck:
+            self.stuck_check = now
+        try:
+            for path, mount in list(self.mounts.items()):
+                # A restart above may have ended or replaced this entry since the list.
+                if self.mounts.get(path) is not mount:
+                    continue
+                if mount.process.poll() is None:
+                    if not look_for_stuck or not exited_unreaped(mount.process.pid):
+                        continue  # serving
+                    self._unstick(mount)
+                self._bridge_died(mount)
+        finally:
+            self.restarting = False
+
+    def _unstick(self, mount: _Mount) -> None:
+        """A bridge that exited but cannot be reaped, because one of its threads waits on
+        its own mount (mounts.exited_unreaped): its mount hangs until the connection is
+        aborted, which lets that thread, and so the bridge, end (waited for, bounded)."""
+        process = mount.process
+        how = abort_mount(mount.directory)
+        _log(
+            f"bridge for {mount.directory} (pid {process.pid}) exited but a thread of it "
+            f"waits on its own mount; its FUSE connection was aborted ({how})"
+        )
+        deadline = time.monotonic() + BRIDGE_EXIT_SECONDS
+        while process.poll() is None and time.monotonic() < deadline:
+            self._supervise()  # (this restart is not re-entered: see _reap_bridges)
+            time.sleep(0.02)
+
+    def _bridge_died(self, mount: _Mount) -> None:
+        """Restart `mount`'s dead bridge, keeping the mount listed ("restarting") the
+        while, or remove the mount saying why: it unmounted itself, the anchor stops,
+        it died more than MAX_BRIDGE_RESTARTS times within RESTART_WINDOW, or the
+        restart failed."""
+        path, dead = mount.directory, mount.process
+        last_words = _read_log(mount.log).strip() if mount.log is not None else ""
+        status = "an exit status not yet given" if dead.returncode is None else dead.returncode
+        _log(
+            f"bridge for {path} (pid {dead.pid}) exited with {status}"
+            f"{': ' + last_words[-500:] if last_words else ''}"
+        )
+        self._clean_mountpoint(path)  # the dead connection's mount: detached (lazily)
+        self._retire_files(mount)
+        now = time.monotonic()
+        reason = None
+        if dead.returncode == 0:
+            reason = "it unmounted itself (fusermount -u)"  # not a failure
+        elif self.stopping:
+            reason = "the anchor is stopping"
+        elif len(_within_window(mount.restarts, now)) >= MAX_BRIDGE_RESTARTS:
+            reason = (
+                f"it keeps dying ({len(mount.restarts) + 1} times within "
+                f"{RESTART_WINDOW:.0f} s); the volume stays unmounted"
             )
-            del self.mounts[path]
-            self._clean_mountpoint(path)
-            self._retire_files(mount)
-            self._publish()
-            if mount.process.returncode == 0 or self.stopping:
-                continue  # it unmounted itself (fusermount -u): not a failure
-            now = time.monotonic()
-            if len(_within_window(mount.restarts, now)) >= MAX_BRIDGE_RESTARTS:
-                _log(f"the bridge for {path} keeps dying; the volume stays unmounted")
-                continue
-            try:
-                self._mount(
-                    mount.volume,
-                    path,
-                    mount.uid,
-                    mount.writeback,
-                    allow_other=mount.allow_other,
-                    principal=mount.principal,
-                    token=mount.token,
-                )
-            except SlatesError as exc:
-                _log(f"could not mount {mount.volume} at {path} again: {exc}")
-                continue
-            again = self.mounts[path]
-            again.restarts = mount.restarts
-            again.restarts.append(now)
-            _log(f"restarted the bridge for {path} (pid {again.process.pid})")
+        if reason is not None:
+            self._remove_mount(mount, reason)
+            return
+        mount.restarts.append(now)
+        mount.health = "restarting"  # listed with the dead bridge's pid until one serves
+        self._publish()
+        job = self._job(mount.volume, path, mount.writeback, mount.allow_other, mount.token)
+        try:
+            _check_directory(path, mount.uid)
+            process, log = self._serve(job)
+        except SlatesError as exc:
+            details = ", ".join(f"{k}={v!r}" for k, v in exc.details.items())
+            self._remove_mount(mount, f"it could not be mounted again: {exc} {details}".strip())
+            return
+        mount.process, mount.counters, mount.log = process, job.counters, log
+        mount.health = "serving"
+        _log(f"restarted the bridge for {path} (pid {process.pid})")  # said before it shows
+        self._publish()
+
+    def _remove_mount(self, mount: _Mount, reason: str) -> None:
+        # Said before the state file shows it: whoever sees it gone can read why.
+        _log(f"removed the mount of {mount.volume} at {mount.directory}: {reason}")
+        if self.mounts.get(mount.directory) is mount:
+            del self.mounts[mount.directory]
+        self._clean_mountpoint(mount.directory)
+        self._publish()
 
     def _reap_orphans(self) -> dict[str, object]:
         """`slates gc`: kill bridges of this runtime directory that serve no mount of ours
@@ -772,6 +864,27 @@ class Anchor:
             os.close(self.pool_fd)
         self.runtime.state_file.unlink(missing_ok=True)
         _log("anchor stopped")
+
+
+def _check_directory(path: str, uid: int) -> None:
+    """Refuse a mount point that is not an empty directory of `uid`'s, named by its real
+    path (checked again when a mount is restarted: it may have changed in between)."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or os.path.realpath(path) != path:
+            raise InvalidArgument("the mount point is not its real path", directory=path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectory("the mount point is not a directory", directory=path)
+        if st.st_uid != uid:
+            raise AccessDenied("the mount directory belongs to another user", directory=path)
+        if os.listdir(path):
+            raise InvalidArgument("the mount directory is not empty", directory=path)
+    except FileNotFoundError:
+        raise NotFound("the mount directory does not exist", directory=path) from None
+    except OSError as exc:  # e.g. ENOTCONN: a dead FUSE mount someone else left there
+        raise InvalidArgument(
+            "the mount directory cannot be read", directory=path, reason=exc.strerror
+        ) from None
 
 
 def _read_log(path: Path) -> str:

@@ -24,15 +24,25 @@ Invariants:
   (`BridgeJob.line`; tests/test_anchor_spare.py checks it);
 - the agent's token travels in the job or in the environment of a fresh
   bridge, never in argv, and a spare's environment has none;
-- `is_bridge`, `orphan_bridges` and `users_of` read /proc only: they never
-  stat a mount point (that asks the bridge, which may wait for a shard only
-  the anchor's loop can restart).
+- `is_bridge`, `orphan_bridges`, `users_of` and `exited_unreaped` read /proc
+  only: they never stat a mount point (that asks the bridge, which may wait
+  for a shard only the anchor's loop can restart).
+
+A bridge killed with SIGKILL normally takes its FUSE connection with it:
+closing its /dev/fuse fd aborts the connection, programs inside the mount get
+ENOTCONN, and `clean_mountpoint` detaches the dead mount so the anchor can
+mount the volume again there.  Not so when one of its threads waits on its
+own mount (a request only its dead threads would answer): the process never
+finishes exiting, so the fd stays open and the mount hangs.
+`exited_unreaped` tells such a bridge from a live one, and `abort_mount`
+aborts its connection (a forced, lazy unmount), which ends that wait.
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -49,8 +59,10 @@ __all__ = [
     "Bridge",
     "BridgeJob",
     "Spare",
+    "abort_mount",
     "bridge_error",
     "clean_mountpoint",
+    "exited_unreaped",
     "give_job",
     "is_bridge",
     "is_mounted",
@@ -298,6 +310,59 @@ def clean_mountpoint(path: str) -> None:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+
+
+_MNT_FORCE = 1
+_MNT_DETACH = 2
+
+
+def exited_unreaped(pid: int) -> bool:
+    """Whether process `pid` (our child, which waitpid cannot reap yet) has exited all
+    the same: its main thread is a zombie while another of its threads is still in the
+    kernel.  A bridge killed while one of its threads waits on its own mount (a request
+    that only the dead threads would have answered) stays so for good: its /dev/fuse fd
+    is never closed, so the kernel never aborts the connection; abort_mount ends it."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat_line.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+def abort_mount(path: str) -> str:
+    """Abort the FUSE connection mounted at `path` and detach it, whatever its server
+    does: every request waiting on it fails (ECONNABORTED), so a bridge stuck on its
+    own mount can exit.  As root, umount2(MNT_FORCE | MNT_DETACH) (the kernel's
+    fuse_umount_begin aborts the connection); otherwise the connection's `abort` file
+    under /sys/fs/fuse/connections, where fusectl is mounted, then a lazy unmount.
+    Says which it did, for the log."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.umount2(os.fsencode(path), _MNT_FORCE | _MNT_DETACH) == 0:
+            return "forced unmount"
+        reason = os.strerror(ctypes.get_errno())
+    else:
+        reason = "not root"
+    device = _mount_device(path)
+    how = f"no forced unmount ({reason})"
+    if device is not None:
+        with contextlib.suppress(OSError):
+            Path(f"/sys/fs/fuse/connections/{device}/abort").write_text("1")
+            how = f"aborted connection {device}"
+    clean_mountpoint(path)
+    return f"{how}, lazy unmount"
+
+
+def _mount_device(path: str) -> int | None:
+    """The minor device number of the mount at `path` (a FUSE connection's number in
+    /sys/fs/fuse/connections), from /proc/self/mountinfo; None if nothing is mounted."""
+    found = None
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) > 4 and _unescape(fields[4]) == path:
+                found = int(fields[2].split(":")[1])  # the last one mounted there is on top
+    return found
 
 
 def orphan_bridges(runtime: Path, served: set[int]) -> dict[int, str]:

@@ -8,9 +8,15 @@ one request at a time (a threading lock, so threads may share a Client).
 Without rings the connection's first request, when small (ALONG_MOST),
 goes in the same send as the hello (the shard reads its stream in order,
 and a refused hello discards what follows), so a command's first request
-to a shard costs one round trip, not two.  Closing sends every socket
-connection's goodbye before awaiting any answer (one wait, not one per
-shard).
+to a shard costs one round trip, not two.  The same request to several
+shards (`request_each`: a name looked up, the volumes listed) is sent on
+every connection before any reply is awaited.  Closing sends each socket
+connection's goodbye and closes the connection without awaiting the answer:
+the shard reads the goodbye from the stream after the client's end (a
+stream keeps what was sent before it ends), forgets the client, and its
+answer meets a closed socket, which the shard takes as any client's end.
+A command is done that much sooner, and the answer carries nothing it
+could use.  A ring connection's goodbye is answered over its ring, awaited.
 If the shard dies or the connection breaks, the request reconnects and is
 resent unchanged, within slates.sdk.session.Reconnect's bound; a request
 interrupted otherwise (KeyboardInterrupt, a corrupt ring) closes its
@@ -27,18 +33,18 @@ for room in a full request ring also watches the socket.
 Every coroutine here runs to its end without suspending (there is no event
 loop underneath), which is what lets slates.sdk.client.Client drive
 AsyncClient's coroutines synchronously.  slates.node.ring (and with it the
-C extension) is imported only by connections that use rings.
+C extension) and select are imported only by connections that use rings,
+and syncfs (ctypes) only by calls that write a mount back.
 """
 
 from __future__ import annotations
 
 import _socket  # socket's C half: socket.py's enums cost a command ~3 ms at start-up
 import contextlib
-import select
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slates.errors import SlatesError
 from slates.sdk.session import (
@@ -51,8 +57,10 @@ from slates.sdk.session import (
     control_result,
     received_fds,
 )
-from slates.sdk.transport import syncfs
 from slates.wire import FrameReader, frame
+
+if TYPE_CHECKING:
+    import select
 
 __all__ = ["BYE_SECONDS", "BlockingShardConnection", "BlockingTransport"]
 
@@ -150,6 +158,8 @@ class BlockingShardConnection:
                 sock.settimeout(max(0.0, deadline - time.monotonic()))
             sock.sendall(frame(message))
             return self._read_frame(sock)
+        import select  # here: only ring connections watch their socket
+
         pair = self.pair
         watch = select.poll()
         watch.register(sock, select.POLLIN)
@@ -174,47 +184,84 @@ class BlockingShardConnection:
     def request(self, op: str, args: dict[str, Any]) -> Any:
         with self.lock:
             outgoing = self.session.start(op, args)
-            reconnect = Reconnect(time.monotonic(), self.path)
-            while True:
-                try:
-                    if self.sock is None and self._connect(outgoing.message):
-                        payload = self._sent_along()
-                    else:
-                        payload = self._exchange(outgoing.message)
-                    break
-                except (OSError, ConnectionLost):
-                    self.close()
-                    time.sleep(reconnect.after_failure(time.monotonic()))
-                except BaseException:
-                    self.close()  # a half-done exchange must not meet the next request
-                    raise
-            return self.session.finish(outgoing, payload)
+            return self.session.finish(outgoing, self._deliver(outgoing))
+
+    def _deliver(self, outgoing: Outgoing) -> bytes:
+        """Send `outgoing` and await its reply, reconnecting and resending it unchanged
+        within Reconnect's bound (under the caller's hold of `lock`)."""
+        reconnect = Reconnect(time.monotonic(), self.path)
+        while True:
+            try:
+                if self.sock is None and self._connect(outgoing.message):
+                    return self._sent_along()
+                return self._exchange(outgoing.message)
+            except (OSError, ConnectionLost):
+                self.close()
+                time.sleep(reconnect.after_failure(time.monotonic()))
+            except BaseException:
+                self.close()  # a half-done exchange must not meet the next request
+                raise
+
+    def send_early(self, outgoing: Outgoing) -> bool:
+        """Send `outgoing` without awaiting its reply (under the caller's hold of
+        `lock`), connecting first if need be (it rides in the hello's send when small):
+        True once sent on a socket connection, its reply then the next frame to come.
+        False when not sent: a ring connection, or the send failed (the connection is
+        closed then); `reply` sends it in the ordinary way."""
+        if self.session.rings:
+            return False
+        try:
+            if self.sock is None and self._connect(outgoing.message):
+                return True
+            if self.sock is None:
+                raise ConnectionLost()
+            self.sock.settimeout(None)
+            self.sock.sendall(frame(outgoing.message))
+            return True
+        except (OSError, ConnectionLost):
+            self.close()
+            return False
+        except BaseException:
+            self.close()
+            raise
+
+    def reply(self, outgoing: Outgoing, sent: bool) -> bytes:
+        """The reply to `outgoing`, which `send_early` sent (`sent`) or did not: then,
+        or if the connection breaks meanwhile, it is sent (again, unchanged) as any
+        request is."""
+        if sent and self.sock is not None:
+            try:
+                return self._read_frame(self.sock)
+            except (OSError, ConnectionLost):
+                self.close()
+            except BaseException:
+                self.close()
+                raise
+        return self._deliver(outgoing)
 
     def send_bye(self, deadline: float) -> Outgoing | None:
-        """Goodbye's first half, under the caller's hold of `lock`: sent now on a socket
-        connection (a ring connection sends it in `finish_bye`); None when no
-        connection is open (no reconnect: a shard that restarted has forgotten this
-        client already)."""
+        """Goodbye's first half, under the caller's hold of `lock`.  On a socket
+        connection it is sent now and the connection closed, its answer not awaited
+        (the shard reads it all the same: see the module docstring), so None; a ring
+        connection's goodbye is sent in `finish_bye`.  None too when no connection is
+        open (no reconnect: a shard that restarted has forgotten this client already)."""
         if self.sock is None:
             return None
         outgoing = self.session.start("bye", {})
-        if self.pair is None:
-            try:
-                self.sock.settimeout(max(0.0, deadline - time.monotonic()))
-                self.sock.sendall(frame(outgoing.message))
-            except OSError:
-                self.close()
-                return None
-        return outgoing
+        if self.pair is not None:
+            return outgoing
+        with contextlib.suppress(OSError):
+            self.sock.settimeout(max(0.0, deadline - time.monotonic()))
+            self.sock.sendall(frame(outgoing.message))
+        self.close()
+        return None
 
     def finish_bye(self, outgoing: Outgoing | None, deadline: float) -> None:
-        """Goodbye's second half: its answer, awaited until `deadline`; then disconnect."""
+        """Goodbye's second half, on a ring connection: sent, its answer awaited until
+        `deadline`; then disconnect."""
         with contextlib.suppress(SlatesError, OSError, ConnectionLost):
             if outgoing is not None and self.sock is not None:
-                if self.pair is None:
-                    payload = self._read_frame(self.sock)
-                else:
-                    payload = self._exchange(outgoing.message, deadline)
+                payload = self._exchange(outgoing.message, deadline)
                 self.session.finish(outgoing, payload)
         self.close()
 
@@ -242,6 +289,36 @@ class BlockingTransport:
     async def request(self, shard: int, op: str, args: dict[str, Any]) -> Any:
         return self.shards[shard].request(op, args)
 
+    async def request_each(self, shards: Sequence[int], op: str, args: dict[str, Any]) -> list[Any]:
+        """The same request to each of `shards`, sent to every socket connection before
+        any reply is awaited (one wait for them all, not one per shard); each reply is
+        read before any error is raised, so none is left to meet a later request."""
+        connections = [self.shards[index] for index in shards]
+        with contextlib.ExitStack() as held:
+            for connection in connections:
+                held.enter_context(connection.lock)
+            outgoings = [connection.session.start(op, args) for connection in connections]
+            try:
+                sent = [c.send_early(o) for c, o in zip(connections, outgoings, strict=True)]
+                payloads = [
+                    c.reply(o, early)
+                    for c, o, early in zip(connections, outgoings, sent, strict=True)
+                ]
+            except BaseException:
+                for connection in connections:  # replies may be on their way: start afresh
+                    connection.close()
+                raise
+            results: list[Any] = []
+            refused: SlatesError | None = None
+            for connection, outgoing, payload in zip(connections, outgoings, payloads, strict=True):
+                try:
+                    results.append(connection.session.finish(outgoing, payload))
+                except SlatesError as error:
+                    refused = refused or error
+            if refused is not None:
+                raise refused
+            return results
+
     async def control(self, path: str, request: dict[str, Any]) -> Any:
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
         try:
@@ -263,6 +340,8 @@ class BlockingTransport:
         return control_result(payload)
 
     async def syncfs(self, directory: str, timeout: float | None) -> None:
+        from slates.sdk.transport import syncfs  # here: only unmount and snapshots need it
+
         if timeout is None:
             syncfs(directory)
             return
@@ -286,8 +365,9 @@ class BlockingTransport:
 
     async def close(self) -> None:
         """Goodbye to every connected shard, at most BYE_SECONDS in all: each socket
-        connection's goodbye is sent before any answer is awaited, so closing waits
-        for the slowest shard rather than for each in turn."""
+        connection's goodbye is sent (and not awaited) before any ring connection's
+        answer is awaited, so closing waits for the slowest shard rather than for each
+        in turn."""
         deadline = time.monotonic() + BYE_SECONDS
         with contextlib.ExitStack() as held:
             for shard in self.shards:

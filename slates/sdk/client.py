@@ -35,7 +35,7 @@ import json
 import os
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from slates.errors import (
     AlreadyExists,
@@ -48,8 +48,10 @@ from slates.errors import (
 from slates.node.runtime import MountInfo, Runtime
 from slates.sdk.names import Role, check_reference, is_volume_id, pick_volume
 from slates.sdk.session import RECONNECT_SECONDS
-from slates.sdk.transport import Transport
 from slates.wire import shard_of
+
+if TYPE_CHECKING:
+    from slates.sdk.transport import Transport  # a Protocol: only annotations need it
 
 __all__ = ["AsyncClient", "Client", "RECONNECT_SECONDS"]
 
@@ -144,6 +146,14 @@ class AsyncClient:
             raise NotFound("the id names a shard this host does not have", shard=shard)
         return await transport.request(shard, op, args)
 
+    async def _each(self, shards: Sequence[int], op: str, **args: Any) -> list[Any]:
+        """One request to each of `shards` (serving shards' indices), at once where the
+        transport can (Transport.request_each)."""
+        transport = self._opened()
+        if not all(0 <= shard < self._shard_count for shard in shards):
+            raise NotFound("the id names a shard this host does not have", shards=list(shards))
+        return await transport.request_each(shards, op, args) if shards else []
+
     async def _on(self, object_id: str, op: str, **args: Any) -> Any:
         if "@" in object_id:  # "<id>@<host>": a volume whose original owner is another host
             return await self._forward(object_id, op, args)
@@ -209,13 +219,15 @@ class AsyncClient:
 
     async def status(self) -> dict[str, Any]:
         state = self.runtime.read_state()
+        serving = [info.index for info in state.shards if info.state != "failed"]
+        answered = dict(zip(serving, await self._each(serving, "status"), strict=True))
         shards = []
         for info in state.shards:
             if info.state == "failed":  # it kept dying: the anchor left it down
                 shard = {"shard": info.index, "volumes": [], "snapshots": [], "failed": {}}
                 shard.update(host_physical_bytes=0)
             else:
-                shard = await self.call(info.index, "status")
+                shard = answered[info.index]
             shard.update(pid=info.pid, restarts=info.restarts, state=info.state)
             shards.append(shard)
         mounts = [_mount_view(m) for m in state.mounts]
@@ -341,10 +353,9 @@ class AsyncClient:
         shards first, since clones and work volumes live on their snapshot's or
         green's shard rather than their name's.  (Two clients racing to make one
         name on two shards at once can both pass; resolution then names both.)"""
-        for index in self._serving_shards():
-            if index == shard:
-                continue
-            taken = [v for v in await self.call(index, "volume.list") if v.get("name") == name]
+        others = [index for index in self._serving_shards() if index != shard]
+        for listed in await self._each(others, "volume.list"):
+            taken = [v for v in listed if v.get("name") == name]
             if taken:
                 raise AlreadyExists(
                     f"volume {taken[0]['id']} has that name already",
@@ -355,8 +366,8 @@ class AsyncClient:
     async def list_volumes(self) -> list[dict[str, Any]]:
         """The volumes of every shard that serves (a shard left down has none to list)."""
         volumes: list[dict[str, Any]] = []
-        for index in self._serving_shards():
-            volumes.extend(await self.call(index, "volume.list"))
+        for listed in await self._each(self._serving_shards(), "volume.list"):
+            volumes.extend(listed)
         return volumes
 
     def _serving_shards(self) -> list[int]:

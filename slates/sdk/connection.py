@@ -166,6 +166,11 @@ class TrioTransport:
     async def request(self, shard: int, op: str, args: dict[str, Any]) -> Any:
         return await self.shards[shard].request(op, args)
 
+    async def request_each(self, shards: Sequence[int], op: str, args: dict[str, Any]) -> list[Any]:
+        """The same request to each of `shards`, one after the other (as AsyncClient
+        always asked them)."""
+        return [await self.shards[index].request(op, args) for index in shards]
+
     async def control(self, path: str, request: dict[str, Any]) -> Any:
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with sock:

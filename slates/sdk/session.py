@@ -28,11 +28,10 @@ transports only.
 from __future__ import annotations
 
 import _socket  # socket's C half: socket.py's enums cost a command ~3 ms at start-up
-import dataclasses
 import os
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from slates.errors import SlatesError, VerificationFailed
 from slates.wire import check_ok, frame, pack, reply_parts, unpack
@@ -65,9 +64,12 @@ class ConnectionLost(Exception):
     """The peer closed the connection (the shard died or restarts): reconnect and resend."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Outgoing:
-    """A request with its identity, ready to send (and to resend, unchanged)."""
+class Outgoing(NamedTuple):
+    """A request with its identity, ready to send (and to resend, unchanged).
+
+    Immutable like the frozen slotted dataclasses records are elsewhere; a NamedTuple
+    because every command builds this class at start-up, and a dataclass costs ~0.7 ms
+    to build (its generated methods are compiled then), a NamedTuple ~0.1 ms."""
 
     seq: int
     message: bytes

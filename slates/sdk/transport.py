@@ -39,6 +39,11 @@ class Transport(Protocol):
     async def request(self, shard: int, op: str, args: dict[str, Any]) -> Any:
         """One request to shard `shard` (an index into the opened sockets): its result."""
 
+    async def request_each(self, shards: Sequence[int], op: str, args: dict[str, Any]) -> list[Any]:
+        """The same request to each of `shards`: their results, in order, or the first
+        error a shard answers (a transport that sends them all before awaiting any
+        raises it once every reply is in, so none is left behind)."""
+
     async def control(self, path: str, request: dict[str, Any]) -> Any:
         """One request to the anchor's control socket at `path`: its result."""
 
