@@ -8,7 +8,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-SYSTEM_PACKAGES := fuse3 libfuse3-dev libmsgpack-dev liburing-dev pkg-config gcc libc6-dev git make \
+SYSTEM_PACKAGES := fuse3 libfuse3-dev libmsgpack-dev liburing-dev libdeflate0 pkg-config gcc libc6-dev git make \
 	etcd-server serf iproute2 nftables python3 util-linux
 
 .PHONY: bootstrap system-packages demo test lint

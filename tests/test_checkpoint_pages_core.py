@@ -16,7 +16,6 @@ from slates.core.extents import PAGE
 from slates.core.host import HeapBuffer, PageBuffer
 from slates.core.records import Splice, Write, _pack, decode, encode
 from slates.errors import InvalidArgument
-from slates.node.protocol import pack, pack_parts
 
 
 class ModelStore:
@@ -146,12 +145,6 @@ _large = st.builds(
     st.sampled_from([0, 1, 65535, 65536, 70000]),
     st.integers(0, 255),
 )
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.dictionaries(st.text(max_size=6), st.lists(_values | _large, max_size=4), max_size=4))
-def test_pack_parts_joins_to_pack(message: dict[str, Any]) -> None:
-    assert b"".join(pack_parts(message)) == pack(message)
 
 
 @settings(max_examples=60, deadline=None)

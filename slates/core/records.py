@@ -55,7 +55,6 @@ __all__ = [
     "RENAME_EXCHANGE",
     "XATTR_CREATE",
     "XATTR_REPLACE",
-    "data_span",
     "encode",
     "encoded_parts",
     "decode",
@@ -485,19 +484,6 @@ def encoded_parts(record: Record) -> list[bytes]:
     # record (see _default), in one packb call instead of two.
     fields = _pack([type(record).__name__, *values])
     return [_ext_header(len(fields)) + fields]
-
-
-def data_span(record: Record) -> tuple[int, int] | None:
-    """Where a Write's or Splice's large data lies in `encode(record)`, [start, end),
-    and None for any other record (its data small, or none)."""
-    parts = encoded_parts(record)
-    data = getattr(record, "data", None)
-    start = 0
-    for part in parts:
-        if len(parts) > 1 and part is data:
-            return start, start + len(part)
-        start += len(part)
-    return None
 
 
 def encode(record: Record) -> bytes:

@@ -47,14 +47,13 @@ from __future__ import annotations
 
 import enum
 import struct
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 from slates.core.host import HeapBuffer, PageBuffer
 from slates.errors import CapacityExhausted, InvalidArgument, VerificationFailed
 from slates.node.journal import PAGE as _PAGE
-from slates.node.journal import Segment
+from slates.node.journal import Segment, crc32
 from slates.node.page_area import PIECE_BYTES, PageArea, Piece, SegmentPages
 
 __all__ = ["PIECE_BYTES", "Checkpoints", "PageArea"]
@@ -148,7 +147,7 @@ class Checkpoints:
         ) or not 0 < length <= sum(size for _at, size in ranges):
             raise VerificationFailed("the checkpoint document is out of bounds")
         document = b"".join(bytes(mm[at : at + size]) for at, size in ranges)[:length]
-        if zlib.crc32(document) != crc:
+        if crc32(document) != crc:
             raise VerificationFailed("the checkpoint fails its checksum")
         match self._state:
             case _State.UNREAD:
@@ -201,7 +200,7 @@ class Checkpoints:
         done = 0
         for at, size, crc in pieces:
             view[done : done + size] = mm[at : at + size]
-            if zlib.crc32(view[done : done + size]) != crc:
+            if crc32(view[done : done + size]) != crc:
                 raise VerificationFailed("checkpoint page bytes fail their checksum", at=at)
             done += size
         return out
@@ -259,12 +258,11 @@ class Checkpoints:
             for at, size in ranges:
                 mm[at : at + min(size, len(document) - done)] = document[done : done + size]
                 done += size
+            self.segment.touched()
             active = self._active()
             slot = 0 if active != 0 else 1
             slot_at = _SLOTS_AT + slot * _SLOT_BYTES
-            _SLOT.pack_into(
-                mm, slot_at, generation, len(document), zlib.crc32(document), len(ranges)
-            )
+            _SLOT.pack_into(mm, slot_at, generation, len(document), crc32(document), len(ranges))
             for index, (at, size) in enumerate(ranges):
                 _RANGE.pack_into(mm, slot_at + _SLOT.size + index * _RANGE.size, at, size)
             struct.pack_into("<I", mm, _ACTIVE_AT, slot)  # the publish point

@@ -10,8 +10,10 @@ same events to the same state gives the same state.
 Each class has one wire tag (its `tag`); its wire form is the list
 `[tag, field, ...]` in field order, which is what a journal frame holds
 (`to_wire`/`from_wire`; `encode`/`decode` give the msgpack bytes of one
-event); the layout is the one journals held before the events were typed,
-so their frames replay as they are.  Decoded input is untrusted: an unknown tag, a wrong number of
+event; `frame_parts` packs a frame's events in parts, a record's large data
+a part of its own, never copied into a packed message); the layout is the
+one journals held before the events were typed, so their frames replay as
+they are.  Decoded input is untrusted: an unknown tag, a wrong number of
 fields or a field of the wrong type raises VerificationFailed, so a replay
 never applies something it cannot read.  Nothing here does I/O.
 
@@ -24,7 +26,7 @@ own list form: `from_wire` takes those in).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeAlias
 
 import msgpack
@@ -32,6 +34,7 @@ import msgpack
 from slates.errors import InvalidArgument, SlatesError, VerificationFailed
 from slates.merge.changes import Change, changes_from_wire, changes_to_wire
 from slates.merge.submission import GreenPolicy
+from slates.packing import bin_header
 
 __all__ = [
     "Event",
@@ -61,6 +64,7 @@ __all__ = [
     "from_wire",
     "encode",
     "decode",
+    "frame_parts",
 ]
 
 Changes: TypeAlias = tuple[Change, ...]
@@ -96,11 +100,24 @@ class VolumeMade(Event):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RecordApplied(Event):
-    """A record (slates.core.records, encoded) applied to a volume."""
+    """A record (slates.core.records, encoded) applied to a volume.
+
+    `record` is the encoding's bytes (what `from_wire` gives), or, for a record the
+    shard made itself, the encoding in parts whose join it is (records.encoded_parts: a
+    large write's data a part of its own, the very `Write.data` object), so a commit
+    copies that data once, into the journal (`frame_parts`), and never joins it.  Its
+    wire form is the same either way; only the in-memory form differs (the two compare
+    unequal)."""
 
     tag: ClassVar[str] = "rec"
     vid: str
-    record: bytes
+    record: bytes | tuple[bytes, ...]
+
+    @property
+    def encoded(self) -> bytes:
+        """The record's encoding, joined (a copy when it is held in parts)."""
+        record = self.record
+        return record if isinstance(record, bytes) else b"".join(record)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -337,6 +354,7 @@ def _held(value: Any) -> dict[str, bytes] | None:
 # By field annotation (annotations are strings here): the exact types a decoded
 # value may have (msgpack gives exact types; a bool is no int), or how to convert it.
 _TYPES: dict[str, frozenset[type]] = {
+    "bytes | tuple[bytes, ...]": frozenset({bytes}),  # decoded: always the joined form
     "str": frozenset({str}),
     "int": frozenset({int}),
     "bool": frozenset({bool}),
@@ -351,7 +369,14 @@ _DECODE: dict[str, Callable[[Any], Any]] = {
     "GreenPolicy": GreenPolicy.from_wire,
     "Changes": changes_from_wire,
 }
+
+
+def _joined(record: bytes | tuple[bytes, ...]) -> bytes:
+    return record if isinstance(record, bytes) else b"".join(record)
+
+
 _ENCODE: dict[str, Callable[[Any], Any]] = {
+    "bytes | tuple[bytes, ...]": _joined,
     "tuple[int, ...]": list,
     "GreenPolicy": GreenPolicy.to_wire,
     "Changes": changes_to_wire,
@@ -442,3 +467,28 @@ def decode(payload: bytes) -> Event:
     except Exception as exc:  # msgpack raises several unrelated types
         raise VerificationFailed("undecodable journal event", reason=str(exc)) from None
     return from_wire(raw)
+
+
+def frame_parts(events: Sequence[Event]) -> list[bytes]:
+    """The msgpack of a journal frame's message, {"events": [to_wire(e), ...]}, in parts
+    whose join it is: a RecordApplied held in parts keeps them as parts of their own
+    (its large data not copied, the same object, so a caller that knows that object's
+    checksum finds it by identity); everything else is packed into the parts between."""
+    packer = msgpack.Packer(use_bin_type=True, unicode_errors="surrogateescape", autoreset=False)
+    packer.pack_map_header(1)
+    packer.pack("events")
+    packer.pack_array_header(len(events))
+    out: list[bytes] = []
+    for event in events:
+        if type(event) is RecordApplied and type(event.record) is tuple:
+            record = event.record
+            packer.pack_array_header(3)
+            packer.pack(event.tag)
+            packer.pack(event.vid)
+            out.append(packer.bytes() + bin_header(sum(map(len, record))))
+            packer.reset()
+            out += record
+        else:
+            packer.pack(to_wire(event))
+    out.append(packer.bytes())
+    return out

@@ -18,11 +18,15 @@ copying them.  This module owns that area:
   past `frozen` (a piece nobody published, or a published piece's tail
   grown since) are written in place.  `crc` is the CRC32 of the piece's
   bytes, or None once they changed in place (the next checkpoint computes
-  it).  An append keeps it: the CRC of the bytes it copies is computed as
-  it copies them and combined into the piece's (crc32_combine), and the
+  it).  An append keeps it: the CRC of the bytes it copies is computed from
+  their new place, right after the copy (journal.crc32, libdeflate's where
+  it is installed), and combined into the piece's (crc32_combine), and the
   CRC of all the data, remembered for the write's journal frame
-  (`remember_crc`, `take_crcs`), so an appended byte is read for a CRC
-  once, not once for the journal and again at the checkpoint.
+  (`remember_crc`, `take_crcs`: the shard finds the data among the frame's
+  parts by identity), so an appended byte is read for a CRC once, not once
+  for the journal and again at the checkpoint.  Writing pages that may
+  not have been resident marks the segment (`fill`: Segment.touched or
+  populate), so the shard reads the segment's allocated bytes only then.
 - `SegmentPages`: the shard host's PageMemory (slates.core.host).  It
   knows the pieces live buffers use (`_live`) and the ranges the published
   checkpoint references (`_published`, offset -> capacity): a range is free
@@ -52,13 +56,12 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import zlib
 from collections.abc import Sequence
 
 from slates.core.host import Bytes, PageBuffer
 from slates.errors import CapacityExhausted, InvalidArgument, VerificationFailed
 from slates.node.journal import PAGE as _PAGE
-from slates.node.journal import Segment, combine_crc
+from slates.node.journal import Segment, combine_crc, crc32
 
 __all__ = [
     "MAX_REMEMBERED_CRCS",
@@ -398,7 +401,7 @@ class SegmentBuffer:
                 part = view[:done]
                 pages.fill(last, last.length, last.length + done)
                 mm[last.at + last.length : last.at + last.length + done] = part
-                whole = zlib.crc32(part)
+                whole = crc32(memoryview(mm)[last.at + last.length : last.at + last.length + done])
                 last.crc = None if last.crc is None else combine_crc(last.crc, whole, done)
                 last.length += done
                 pages.live_bytes += done
@@ -414,7 +417,7 @@ class SegmentBuffer:
                 part = view[done : done + piece.length]
                 pages.fill(piece, 0, piece.length)
                 mm[piece.at : piece.at + piece.length] = part
-                piece.crc = zlib.crc32(part)
+                piece.crc = crc32(memoryview(mm)[piece.at : piece.at + piece.length])
                 if not done:
                     whole = piece.crc
                 elif whole is not None:
@@ -529,10 +532,13 @@ class SegmentPages:
         return out
 
     def fill(self, piece: Piece, lo: int, hi: int) -> None:
-        """[lo, hi) of `piece` is about to be written: count it, fault large runs in."""
+        """[lo, hi) of `piece` is about to be written: count it, fault large runs in (the
+        segment's resident pages may change either way)."""
         self.written_bytes += hi - lo
         if hi - lo >= _POPULATE_BYTES:
             self.segment.populate(piece.at + lo, piece.at + hi)
+        else:
+            self.segment.touched()
 
     def drop(self, piece: Piece) -> None:
         """No live buffer holds `piece` now: its range is free unless published."""
@@ -591,7 +597,7 @@ class SegmentPages:
         out: list[int] = []
         for piece in buffer._pieces:
             if piece.crc is None:
-                piece.crc = zlib.crc32(mm[piece.at : piece.at + piece.length])
+                piece.crc = crc32(mm[piece.at : piece.at + piece.length])
             out += (piece.at, piece.length, piece.crc)
         return out, list(buffer._pieces)
 
@@ -620,7 +626,7 @@ class SegmentPages:
         for at, length, crc in pieces:
             if at in self._published:
                 raise VerificationFailed("two page buffers share a piece", at=at)
-            if zlib.crc32(mm[at : at + length]) != crc:
+            if crc32(mm[at : at + length]) != crc:
                 raise VerificationFailed("checkpoint page bytes fail their checksum", at=at)
             made.append(Piece(at, _pages(length), length, length, crc))
         for piece in made:

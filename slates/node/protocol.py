@@ -26,10 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import msgpack
-
 from slates.errors import InvalidArgument, SlatesError
-from slates.packing import bin_header
 from slates.wire import (
     MAX_FRAME,
     Budget,
@@ -50,7 +47,6 @@ __all__ = [
     "Request",
     "Reply",
     "pack",
-    "pack_parts",
     "unpack",
     "frame",
     "FrameReader",
@@ -65,53 +61,6 @@ __all__ = [
 
 MAX_CLIENT_ID = 128
 MAX_TOKEN = 256
-
-
-# Bytes at least this large, no deeper than _LARGE_DEPTH containers in, are not copied
-# into a message `pack_parts` packs (a journal commit's record: {"events": [[.., record]]}).
-_LARGE_BYTES = 64 << 10
-_LARGE_DEPTH = 3
-
-
-def _large(value: Any, depth: int = _LARGE_DEPTH) -> bool:
-    if type(value) is bytes:
-        return len(value) >= _LARGE_BYTES
-    if depth and type(value) in (list, tuple):
-        return any(_large(item, depth - 1) for item in value)
-    if depth and type(value) is dict:
-        return any(_large(item, depth - 1) for item in value.values())
-    return False
-
-
-def _walk(value: Any, packer: msgpack.Packer, parts: list[bytes]) -> None:
-    if not _large(value):
-        packer.pack(value)
-    elif type(value) is bytes:
-        parts.extend((packer.bytes(), bin_header(len(value)), value))
-        packer.reset()
-    elif type(value) is dict:
-        packer.pack_map_header(len(value))
-        for key, item in value.items():
-            packer.pack(key)
-            _walk(item, packer, parts)
-    else:
-        packer.pack_array_header(len(value))
-        for item in value:
-            _walk(item, packer, parts)
-
-
-def pack_parts(message: dict[str, Any]) -> list[bytes]:
-    """`pack(message)` in parts whose join is that message: large bytes values (up to
-    _LARGE_DEPTH containers deep) are parts of their own, not copied (the journal
-    copies the parts once, into its segment).  Module functions, not closures: a
-    closure that calls itself is a reference cycle, which kept each commit's parts (its
-    1 MiB record) alive until the cyclic collector ran, so the heap grew and fresh
-    pages were faulted in for every request."""
-    packer = msgpack.Packer(use_bin_type=True, unicode_errors="surrogateescape", autoreset=False)
-    parts: list[bytes] = []
-    _walk(message, packer, parts)
-    parts.append(packer.bytes())
-    return parts
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

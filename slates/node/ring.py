@@ -244,17 +244,20 @@ class Ring:
         import trio  # here, so that processes without trio (the bridge) start quickly
 
         await trio.lowlevel.checkpoint_if_cancelled()
+        parked = False
         while True:
             data = pop()
             if data is not None:
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                if not parked:  # a message taken at once: the other tasks' turn first
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return data
             if self._spin_then_prepare_park():
                 continue
             try:
-                await trio.lowlevel.wait_readable(self._eventfd)
+                await trio.lowlevel.wait_readable(self._eventfd)  # their turn was now
             finally:
                 self._unpark()
+            parked = True
 
     def receive_blocking(self, timeout: float | None = None) -> bytes | None:
         """Blocking `receive` for threads and non-trio processes; None on timeout."""

@@ -67,7 +67,6 @@ from slates.core.records import (
     Truncate,
     Unlink,
     Write,
-    data_span,
 )
 from slates.errors import (
     AccessDenied,
@@ -79,7 +78,7 @@ from slates.errors import (
 )
 from slates.node.arena import ArenaChunks
 from slates.node.checkpoints import Checkpoints
-from slates.node.events import Event, RecordApplied, from_wire, to_wire
+from slates.node.events import Event, RecordApplied, frame_parts, from_wire, to_wire
 from slates.node.jobs import Io, Job, Outcome, Sent, Thrown
 from slates.node.journal import PAGE, Checksummed, Journal, Segment
 from slates.node.memory import (
@@ -102,7 +101,6 @@ from slates.node.protocol import (
     error_reply,
     frame,
     pack,
-    pack_parts,
     parse_hello,
     parse_request,
     unpack,
@@ -126,8 +124,6 @@ __all__ = [
 CHECKPOINT_EVERY_BYTES = int(os.environ.get("SLATES_CHECKPOINT_BYTES", 64 << 20))
 CHECKPOINT_EVERY_EVENTS = int(os.environ.get("SLATES_CHECKPOINT_EVENTS", 20_000))
 CHECKPOINT_FREED_BYTES = int(os.environ.get("SLATES_CHECKPOINT_FREED_BYTES", 64 << 20))
-# A commit with a record this large is journaled from its parts (protocol.pack_parts).
-LARGE_RECORD = 64 << 10
 # Journal pages a shard keeps across checkpoints, at most (and at most 1/16 of its host).
 JOURNAL_WARM_BYTES = CHECKPOINT_EVERY_BYTES
 MAX_CONNECTIONS = 256
@@ -164,9 +160,14 @@ IO_THREADS = 4  # worker threads for long requests' I/O (captures, landings), pe
 _UCRED = struct.Struct("3i")
 
 
+# Tests: the file whose existence makes the shard die after its next commit (read once:
+# the test sets it before the anchor starts the shard).
+_CRASH_FLAG = os.environ.get("SLATES_CRASH_AFTER_COMMIT")
+
+
 def _failpoint_after_commit() -> None:
     """Tests: die between committing and replying, once, when the named file exists."""
-    flag = os.environ.get("SLATES_CRASH_AFTER_COMMIT")
+    flag = _CRASH_FLAG
     if flag and os.path.exists(flag):
         os.unlink(flag)
         _log("failpoint: crashing after a commit, before its reply")
@@ -225,6 +226,10 @@ class Shard:
         self.usage: dict[str, _Usage] = {}
         self.io_threads = trio.CapacityLimiter(IO_THREADS)  # jobs' I/O off the loop
         self.segment_fds = (journal_fd, checkpoint_fd, arena_fd)
+        # The journal's and checkpoints' allocated bytes as last read, and the segments'
+        # resident_changes then (-1: never read).
+        self.segment_held = (0, 0)
+        self.segment_marks = (-1, -1)
         # Room kept for deletions and the largest frame (a small segment keeps a quarter).
         self.journal_headroom = min(JOURNAL_HEADROOM, self.journal.segment.size // 4)
         # Journal pages kept across checkpoints, and freed page-area space kept resident
@@ -287,10 +292,21 @@ class Shard:
 
     def _account_segments(self) -> None:
         """The journal's and checkpoints' pages count against the host's capacity: all
-        of them but the live page buffers', which the host counts as private bytes."""
-        journal, checkpoints, _arena = self.segment_fds
-        held = segment_bytes(checkpoints) - self.checkpoints.pages.live_bytes
-        self.host.set_overhead(segment_bytes(journal) + max(0, held))
+        of them but the live page buffers', which the host counts as private bytes.  A
+        segment's allocated bytes are read (fstat) only once its resident pages may have
+        changed (Segment.resident_changes), not after every request."""
+        journal_bytes, checkpoint_bytes = self.segment_held
+        journal_mark, checkpoint_mark = self.segment_marks
+        if self.journal.segment.resident_changes != journal_mark:
+            journal_mark = self.journal.segment.resident_changes
+            journal_bytes = segment_bytes(self.segment_fds[0])
+        if self.checkpoints.segment.resident_changes != checkpoint_mark:
+            checkpoint_mark = self.checkpoints.segment.resident_changes
+            checkpoint_bytes = segment_bytes(self.segment_fds[1])
+        self.segment_held = (journal_bytes, checkpoint_bytes)
+        self.segment_marks = (journal_mark, checkpoint_mark)
+        held = checkpoint_bytes - self.checkpoints.pages.live_bytes
+        self.host.set_overhead(journal_bytes + max(0, held))
 
     def _trim(self) -> None:
         """Give freed heap back to the host once enough private bytes were let go and
@@ -338,15 +354,15 @@ class Shard:
         crcs = self.checkpoints.pages.take_crcs()  # taken at every commit: none kept longer
         if not events:
             return
-        message = {"events": [to_wire(event) for event in events]}
-        # A large record (a write's data) goes into the frame without being copied into a
-        # packed message first; a commit of small events is packed in one call.
-        large = any(type(e) is RecordApplied and len(e.record) >= LARGE_RECORD for e in events)
-        payload: list[bytes | memoryview | Checksummed] = []
-        if large:
-            payload += self._checksummed(pack_parts(message), crcs)
+        # A record held in parts (a write's large data, events.RecordApplied) goes into
+        # the frame without being copied into a packed message first, its data marked
+        # with the CRC the page area computed as it copied it; a commit of small events
+        # is packed in one call.
+        payload: list[bytes | Checksummed] | bytes
+        if any(type(e) is RecordApplied and type(e.record) is tuple for e in events):
+            payload = _checksummed(frame_parts(events), crcs)
         else:
-            payload.append(pack(message))
+            payload = pack({"events": [to_wire(event) for event in events]})
         # No checkpoint here: the service state already holds this request's
         # effects, which must reach the journal, not a checkpoint, first.
         self.events_since += len(events)
@@ -357,36 +373,6 @@ class Shard:
             os._exit(3)
         _failpoint_after_commit()
         self._account_segments()
-
-    def _checksummed(
-        self, parts: list[bytes], crcs: dict[int, tuple[bytes, int]]
-    ) -> list[bytes | memoryview | Checksummed]:
-        """`parts` of a frame, where a large record's data lies in one of them and the
-        page area computed that data's CRC as it copied it (SegmentPages.take_crcs): that
-        stretch marked Checksummed, so the journal does not read it again.  The stretch
-        is the data, compared byte for byte (a memcmp, cheaper than a CRC): a checksum
-        that did not match its bytes would lose the frame at recovery."""
-        known: list[tuple[bytes, int, int, int]] = []  # data, crc, its span in its record
-        for _vid, record in self.service.applied:
-            data = getattr(record, "data", None)
-            remembered = crcs.get(id(data))
-            if remembered is None or remembered[0] is not data:
-                continue
-            span = data_span(record)
-            if span is not None:
-                known.append((remembered[0], remembered[1], *span))
-        if not known:
-            return list(parts)
-        out: list[bytes | memoryview | Checksummed] = []
-        for part in parts:
-            for data, crc, start, end in known if len(part) >= LARGE_RECORD else ():
-                if len(part) >= end and part.startswith(data, start):
-                    view = memoryview(part)
-                    out += (view[:start], Checksummed(view[start:end], crc), view[end:])
-                    break
-            else:
-                out.append(part)
-        return out
 
     def handle(self, hello: Hello, message: bytes | memoryview) -> bytes | Job:
         """One request's packed reply, or the job a long request became (see answer)."""
@@ -775,6 +761,21 @@ def invalidations(applied: list[tuple[str, Record]]) -> dict[str, list[list[Any]
             case _:
                 pass  # bindings, references, seals and snapshots change nothing visible
     return {vid: notes for vid, notes in out.items() if notes}
+
+
+def _checksummed(
+    parts: list[bytes], crcs: dict[int, tuple[bytes, int]]
+) -> list[bytes | Checksummed]:
+    """A frame's `parts` (events.frame_parts), each that is the very bytes object whose
+    CRC the page area computed as it copied it (SegmentPages.take_crcs: a write's data)
+    marked Checksummed, found by identity: no byte of it is read again for the journal."""
+    if not crcs:
+        return list(parts)
+    out: list[bytes | Checksummed] = []
+    for part in parts:
+        known = crcs.get(id(part))
+        out.append(Checksummed(part, known[1]) if known is not None and known[0] is part else part)
+    return out
 
 
 def unpack_events(payload: bytes) -> list[Event]:

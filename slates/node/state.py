@@ -33,7 +33,7 @@ import msgpack
 from slates.core import checkpoint
 from slates.core.checkpoint import PageStore
 from slates.core.host import Host
-from slates.core.records import Record, TakeSnapshot, decode, encode
+from slates.core.records import Record, TakeSnapshot, decode, encoded_parts
 from slates.core.volume import BaseReader, Capacity, Snapshot, Volume, held
 from slates.errors import (
     AccessDenied,
@@ -151,7 +151,11 @@ class ShardState:
 
     def _watch(self, vid: str, volume: Volume) -> None:
         def on_applied(record: Record, result: object) -> None:
-            self._events.append(RecordApplied(vid, encode(record)))
+            # In parts: a large write's data is journaled as the same object, not joined
+            # into a copy of the record first (events.RecordApplied, frame_parts).
+            parts = encoded_parts(record)
+            encoded = parts[0] if len(parts) == 1 else tuple(parts)
+            self._events.append(RecordApplied(vid, encoded))
             self.applied.append((vid, record))
             self._after_record(record, result)
 
@@ -326,7 +330,7 @@ class ShardState:
     def _replay_record(self, event: RecordApplied) -> None:
         if event.vid in self.failed:
             return
-        record = decode(event.record)
+        record = decode(event.encoded)
         volume = self.volumes[event.vid]
         hook, volume.on_applied = volume.on_applied, None  # replay journals nothing
         try:
