@@ -328,10 +328,10 @@ BRIDGE_INTERNAL int meta_stat_beneath(const char *path, struct stat *st);
  * (the listing's): as strong as meta_stat_beneath from that directory -
  * nothing followed, -EXDEV for another device (a mount point). */
 BRIDGE_INTERNAL int meta_stat_at(int dir_fd, const char *name, struct stat *st);
-/* Whether bridge_prefetch.c may list the directory the mount shows with
- * st_ino `st_ino`: its node id (once: it is claimed) when it is a clean base
- * directory the bridge answers, 0 otherwise. */
-BRIDGE_INTERNAL uint64_t meta_claim_listing(uint64_t st_ino);
+/* Whether bridge_prefetch.c may list the base directory at `path` (base-
+ * relative, its path in the mount while it is clean): its node id (once: it
+ * is claimed) when the bridge answers it as a clean directory, else 0. */
+BRIDGE_INTERNAL uint64_t meta_claim_listing(const char *path);
 /* The base path of a directory node (malloc'ed) and its parent node, or NULL. */
 BRIDGE_INTERNAL char *meta_dir_path(uint64_t dir, uint64_t *parent);
 /* The base path of `name` in a directory node (malloc'ed), or NULL. */

@@ -455,11 +455,14 @@ int meta_listable(uint64_t dir, uint64_t *epoch)
     return ok;
 }
 
-uint64_t meta_claim_listing(uint64_t st_ino)
+uint64_t meta_claim_listing(const char *path)
 {
-    if (st_ino == 0 || st_ino >= META_BASE_INO_SPAN)
+    struct stat st;
+    if (!base_ready() || meta_stat_beneath(path, &st) != 0 || !S_ISDIR(st.st_mode))
         return 0;
-    uint64_t node = META_BASE_INO_START + st_ino;
+    uint64_t node = derived_node(&st);
+    if (node == 0)
+        return 0;
     pthread_mutex_lock(&g_meta_lock);
     struct meta_node *e = node_get(node);
     int ok = e != NULL && (e->flags & META_CLEAN_DIR) && !(e->flags & META_LISTED) &&

@@ -30,7 +30,7 @@
  *     is listed next; until PREFETCH_MAX_ENTRIES entries in all.
  * A directory is listed only if bridge_meta.c knows it as clean (its every
  * name is its base entry, so the bridge answers its READDIRPLUS without the
- * shard) and it was not listed before (meta_claim_listing, by node id).
+ * shard) and it was not listed before (meta_claim_listing, by its base inode).
  *
  * Lifecycle (a table, as everywhere): IDLE --set_mountpoint--> ARMED
  * --start--> RUNNING --stop--> STOPPED, and any state --stop--> STOPPED.  A
@@ -219,9 +219,8 @@ static void forget_listing(uint64_t node)
  * no fd but its two pipes, so a dead bridge's connection ends at once, and
  * the child's pending getdents64 with it.  The child uses only
  * async-signal-safe calls (it is forked from a threaded process): per
- * directory it reads a path, answers the st_ino it opened (or -errno), reads
- * the parent's go or skip, and sends the getdents64 buffers, then a zero
- * length.  It ends on EOF, on a broken pipe, or with its parent
+ * directory it reads a path and sends the getdents64 buffers of it, then a
+ * zero length (at once when it cannot open it).  It ends on EOF, on a broken pipe, or with its parent
  * (PR_SET_PDEATHSIG). */
 
 static int full_read(int fd, void *buf, size_t n)
@@ -271,23 +270,11 @@ static int child_list_one(const char *mountpoint, size_t mlen, char *buf)
         return -1;
     full[mlen + 1 + len] = '\0';
     int fd = open(full, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    struct stat st;
-    int64_t answer[2] = {fd < 0 ? -errno : 0, 0};
-    if (fd >= 0 && fstat(fd, &st) == 0)
-        answer[1] = (int64_t)st.st_ino;
-    else if (fd >= 0)
-        answer[0] = -errno;
-    if (full_write(1, answer, sizeof answer) != 0)
-        return -1;
-    if (answer[0] != 0) {
-        if (fd >= 0)
-            close(fd);
-        return 0;
+    if (fd < 0) { /* gone, renamed, or the mount is ending: nothing to list */
+        uint32_t end = 0;
+        return full_write(1, &end, sizeof end);
     }
-    uint8_t go;
-    if (full_read(0, &go, 1) != 0)
-        return -1;
-    for (long got = 0; go;) {
+    for (long got = 0;;) {
         got = syscall(SYS_getdents64, fd, buf, PREFETCH_BUF);
         if (got < 0 && errno == EINTR)
             continue;
@@ -394,33 +381,22 @@ static int start_reader(void)
 
 /* One directory through the reader: its node id when listed (entries counted,
  * the walk's subdirectories pushed), 0 when skipped, -1 when the reader is
- * gone. */
+ * gone.  The root is listed once, whoever answers it (its READDIRPLUS teaches
+ * bridge_meta.c which of its directories are clean); any other directory only
+ * if the bridge answers it and nobody listed it yet (claimed by its base
+ * inode before the reader is asked, so each listing is one exchange). */
 static int64_t list_through_mount(const struct pending *p)
 {
     static int root_listed; /* one thread */
     static char buf[PREFETCH_BUF];
-    uint32_t len = (uint32_t)strlen(p->path);
-    int64_t answer[2];
-    if (full_write(g_pf.to_reader, &len, sizeof len) != 0 ||
-        full_write(g_pf.to_reader, p->path, len) != 0 ||
-        full_read(g_pf.from_reader, answer, sizeof answer) != 0)
-        return -1;
-    if (answer[0] != 0)
-        return 0; /* gone, renamed, or the mount is ending: nothing to learn */
-    /* The root is listed once, whoever answers it (its READDIRPLUS teaches
-     * bridge_meta.c which of its directories are clean); any other directory
-     * only if the bridge answers it and nobody listed it yet. */
-    uint64_t node = 0;
-    if (!*p->path)
-        node = root_listed ? 0 : 1;
-    else
-        node = meta_claim_listing((uint64_t)answer[1]);
-    uint8_t go = node != 0;
-    if (full_write(g_pf.to_reader, &go, 1) != 0)
-        return -1;
-    if (!go)
+    uint64_t node = *p->path ? meta_claim_listing(p->path) : root_listed ? 0 : 1;
+    if (node == 0)
         return 0;
     root_listed = 1;
+    uint32_t len = (uint32_t)strlen(p->path);
+    if (full_write(g_pf.to_reader, &len, sizeof len) != 0 ||
+        full_write(g_pf.to_reader, p->path, len) != 0)
+        return -1;
     for (;;) {
         uint32_t n;
         if (full_read(g_pf.from_reader, &n, sizeof n) != 0 || n > sizeof buf ||
