@@ -30,6 +30,7 @@ from slates.node.protocol import shard_of
 from tests.anchor_fixture import Service, service
 from tests.test_mount import mounted
 from tests.test_shard_recovery import call
+from tests.test_write_path import _segments
 
 __all__ = ["service"]
 
@@ -96,11 +97,7 @@ def test_a_record_held_in_parts_has_the_wire_form_of_its_encoding() -> None:
 def test_the_shard_marks_a_writes_data_checksummed_by_identity(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fds = (
-        create_segment("journal", 64 * MiB),
-        create_segment("checkpoint", 64 * MiB),
-        create_segment("arena", 8 * MiB),
-    )
+    fds = _segments()
     try:
         shard = shard_module.Shard(0, *fds, capacity=1 << 30)
         shard.recover()
