@@ -353,10 +353,6 @@ BRIDGE_INTERNAL int prefetch_set_mountpoint(const char *mountpoint);
 BRIDGE_INTERNAL void prefetch_start(void);
 /* No more listings (the bridge stops); idempotent, never waits for the thread. */
 BRIDGE_INTERNAL void prefetch_stop(void);
-/* Offer a clean directory (its base-relative path, which is its path in the
- * mount while it is clean) to be listed through the mount.  Any thread;
- * never blocks on I/O. */
-BRIDGE_INTERNAL void prefetch_dir(const char *path);
 
 /* -- bridge_loop.c ------------------------------------------------------------- */
 

@@ -103,8 +103,8 @@
 #define META_BASE_INO_START ((1ull << 52) - META_BASE_INO_SPAN)
 #define META_SETTLED_NS (2 * (int64_t)NS_PER_SEC) /* see changing() */
 
-/* META_QUEUED: offered to bridge_prefetch.c; META_LISTED: listed by it. */
-enum { META_LOCAL = 1, META_BOUND = 2, META_CLEAN_DIR = 4, META_QUEUED = 8, META_LISTED = 16 };
+/* META_LISTED: listed by bridge_prefetch.c's walk. */
+enum { META_LOCAL = 1, META_BOUND = 2, META_CLEAN_DIR = 4, META_LISTED = 8 };
 
 struct meta_node {
     uint64_t node;
@@ -428,10 +428,6 @@ int meta_lookup(fuse_req_t req, uint64_t parent, const char *name)
         bridge_count(BRIDGE_STAT_META_ANSWERS);
     }
     answered = 1;
-    if (!(pe->flags & (META_QUEUED | META_LISTED))) {
-        pe->flags |= META_QUEUED; /* its first name asked: list it all (bridge_prefetch.c) */
-        prefetch_dir(pe->path);
-    }
 out:
     pthread_mutex_unlock(&g_meta_lock);
     if (answered)

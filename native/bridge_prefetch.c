@@ -20,14 +20,16 @@
  * base then, as without prefetch.  Nothing here answers the kernel or
  * changes what any request returns: the listings are an ordinary reader's.
  *
- * Which directories, in which order (a stack: the newest first):
- *   - the walk: once the mount serves, the root, then every subdirectory a
- *     listing shows, depth first, until PREFETCH_WALK_ENTRIES entries were
- *     listed (an agent's first command in a fresh workspace is nearly
- *     always one that walks it: git status, grep -r, find, a build);
- *   - on demand: a directory in which bridge_meta.c answers a LOOKUP
- *     (prefetch_dir), pushed on top, so the directory a caller walks now
- *     is listed next; until PREFETCH_MAX_ENTRIES entries in all.
+ * Which directories: once the mount serves, the root, then every
+ * subdirectory a listing shows, depth first (a stack), until
+ * PREFETCH_WALK_ENTRIES entries were listed; an agent's first command in a
+ * fresh workspace is nearly always one that walks it (git status, grep -r,
+ * find, a build).  Nothing is listed on demand past that budget: on a
+ * 100,000-file tree, listing each directory git's preload threads entered
+ * raced their lookups of the same names (the kernel serializes a listing's
+ * entries against lookups in flight) and made git status 1.7x slower
+ * (bench/RESULTS.md), so a larger tree's other directories cost their
+ * LOOKUPs as before.
  * A directory is listed only if bridge_meta.c knows it as clean (its every
  * name is its base entry, so the bridge answers its READDIRPLUS without the
  * shard) and it was not listed before (meta_claim_listing, by its base inode).
@@ -69,7 +71,6 @@
 
 #define PREFETCH_STACK 1024
 #define PREFETCH_WALK_ENTRIES 8192
-#define PREFETCH_MAX_ENTRIES 32768
 #define PREFETCH_BUF (64u << 10) /* the kernel asks READDIRPLUS for this much */
 /* Entries a full READDIRPLUS reply of PREFETCH_BUF bytes holds at the least:
  * a fuse_direntplus is 152 bytes plus the name, padded to 8. */
@@ -79,8 +80,7 @@ enum prefetch_state { PF_IDLE, PF_ARMED, PF_RUNNING, PF_STOPPED };
 enum prefetch_event { PF_SET_MOUNTPOINT, PF_START, PF_STOP };
 
 struct pending {
-    char *path;  /* mount-relative, "" for the root */
-    int walked;  /* from the walk (its subdirectories are pushed too) */
+    char *path; /* mount-relative, "" for the root */
 };
 
 static struct {
@@ -138,22 +138,18 @@ int prefetch_set_mountpoint(const char *mountpoint)
     return next < 0 ? -EBUSY : 0;
 }
 
-/* Under g_pf_lock: whether a directory offered by the walk (or on demand)
- * may still be listed. */
-static int within_budget(int walked)
-{
-    return g_pf.listed < (walked ? PREFETCH_WALK_ENTRIES : PREFETCH_MAX_ENTRIES);
-}
+/* Under g_pf_lock: whether a directory may still be listed. */
+static int within_budget(void) { return g_pf.listed < PREFETCH_WALK_ENTRIES; }
 
 /* Under g_pf_lock: push a copy of `path` (0), or drop it (-1). */
-static int push_locked(const char *path, int walked)
+static int push_locked(const char *path)
 {
-    if (g_pf.state != PF_RUNNING || g_pf.len == PREFETCH_STACK || !within_budget(walked))
+    if (g_pf.state != PF_RUNNING || g_pf.len == PREFETCH_STACK || !within_budget())
         return -1;
     char *copy = strdup(path);
     if (copy == NULL)
         return -1;
-    g_pf.stack[g_pf.len++] = (struct pending){copy, walked};
+    g_pf.stack[g_pf.len++] = (struct pending){copy};
     pthread_cond_signal(&g_pf_cond);
     return 0;
 }
@@ -169,7 +165,7 @@ static int pop(struct pending *out)
         if (g_pf.state != PF_RUNNING)
             break;
         *out = g_pf.stack[--g_pf.len];
-        if (within_budget(out->walked)) {
+        if (within_budget()) {
             pthread_mutex_unlock(&g_pf_lock);
             return 1;
         }
@@ -190,7 +186,7 @@ static void push_children(const char *path, const char *buf, long got)
             continue;
         char child[PATH_MAX];
         int n = snprintf(child, sizeof child, "%s%s%s", path, *path ? "/" : "", d->d_name);
-        if (n > 0 && (size_t)n < sizeof child && push_locked(child, 1) != 0)
+        if (n > 0 && (size_t)n < sizeof child && push_locked(child) != 0)
             break; /* full, or the walk's budget is spent */
     }
     pthread_mutex_unlock(&g_pf_lock);
@@ -408,8 +404,7 @@ static int64_t list_through_mount(const struct pending *p)
         pthread_mutex_lock(&g_pf_lock);
         g_pf.listed += entries;
         pthread_mutex_unlock(&g_pf_lock);
-        if (p->walked)
-            push_children(p->path, buf, n);
+        push_children(p->path, buf, n);
     }
     return (int64_t)node;
 }
@@ -443,7 +438,7 @@ void prefetch_start(void)
     int next = next_state(PF_START);
     if (next >= 0) {
         g_pf.state = (enum prefetch_state)next;
-        push_locked("", 1); /* the walk begins at the root */
+        push_locked(""); /* the walk begins at the root */
         pthread_t tid;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
@@ -480,11 +475,4 @@ void prefetch_stop(void)
     pthread_cond_broadcast(&g_pf_cond);
     pthread_mutex_unlock(&g_pf_lock);
     pthread_mutex_unlock(&g_pf_session_lock);
-}
-
-void prefetch_dir(const char *path)
-{
-    pthread_mutex_lock(&g_pf_lock);
-    push_locked(path, 0);
-    pthread_mutex_unlock(&g_pf_lock);
 }

@@ -5,7 +5,7 @@ READDIRPLUS and a caller's lstat of each name needs no LOOKUP.
 Real anchors and mounts (root and /dev/fuse).  What is checked is what a user can
 tell: names stated after the walk cost no LOOKUP and no shard request; a listing
 made after the walk still reads the live base (a file added there shows); the walk
-stops at its budget and the directories a caller then walks are listed on demand;
+stops at its budget and lists nothing on demand;
 changes made in the mount while the walk runs end exactly as on tmpfs; and an
 unmount in the middle of a walk is clean.
 """
@@ -130,9 +130,12 @@ def test_a_listing_after_the_walk_reads_the_live_base(
             assert sorted(os.listdir(mnt / where)) == sorted(os.listdir(base / where))
 
 
-def test_the_walk_stops_at_its_budget_and_a_walked_directory_is_listed_on_demand(
+def test_the_walk_stops_at_its_budget_and_lists_nothing_on_demand(
     service: Service, tmp_path: Path
 ) -> None:
+    """Past its budget the walk stops, and a directory it left costs its LOOKUPs as
+    without prefetch: listing each directory a caller enters raced that caller's own
+    lookups of the same names (bench/RESULTS.md, the 100,000-file tree)."""
     base = tmp_path / "base"
     names = make_tree(base, 100, 100)  # 10,000 files: past the walk's budget
     dirs = sorted({str(Path(rel).parent) for rel in names})
@@ -150,11 +153,13 @@ def test_the_walk_stops_at_its_budget_and_a_walked_directory_is_listed_on_demand
                     break
             else:
                 raise AssertionError("the walk listed every directory")
-            wait_for(lambda: counters(service.runtime, vid)["prefetches"] == listed + 1)
             seen = counters(service.runtime, vid)
             for f in range(1, 100):
-                os.lstat(mnt / where / f"f{f:03}.c")
-            assert counters(service.runtime, vid).get("LOOKUP", 0) == seen.get("LOOKUP", 0)
+                st, b = os.lstat(mnt / where / f"f{f:03}.c"), os.lstat(base / where / f"f{f:03}.c")
+                assert (st.st_ino, st.st_size) == (b.st_ino, b.st_size)
+            now = counters(service.runtime, vid)
+            assert now.get("LOOKUP", 0) - seen.get("LOOKUP", 0) == 99
+            assert settled(service.runtime, vid) == listed
 
 
 def test_changes_made_while_the_walk_runs_end_as_on_tmpfs(service: Service, tmp_path: Path) -> None:

@@ -49,10 +49,10 @@ native/bridge_loop.c) may read /dev/fuse: what C answers alone runs side by
 side, while requests to the shard still go one at a time, because the ring
 link keeps one request in flight and the shard applies a volume's requests
 in order.
-Directory prefetch (native/bridge_prefetch.c): once the mount serves, one C
-thread lists the clean directories through the mount (a walk from the root,
-then, past its budget, each directory a first LOOKUP is answered in), so the
-kernel learns their entries from READDIRPLUS instead of a LOOKUP per name;
+Directory prefetch (native/bridge_prefetch.c): once the mount serves, a C
+thread has a child process list the clean directories through the mount (a
+walk from the root, up to 8,192 entries), so the kernel learns their entries
+from READDIRPLUS instead of a LOOKUP per name;
 $SLATES_BRIDGE_PREFETCH=0 turns it off (prefetch_wanted()).
 FUSE-over-io_uring (issue 14): with $SLATES_FUSE_URING=1, when the bridge
 runs as root and /sys/module/fuse/parameters/enable_uring is Y (and no
