@@ -801,7 +801,9 @@ def test_mount_serves_posix_basics(fake: tuple[FakeShard, Path], mount: MountedB
     assert _tree_digest(base) == before, "the base directory was written"
     assert all(n >= 0 for n in shard.lookups.values()), "the kernel forgot more than it looked up"
     counts = mount.counts()
-    assert counts.get("OPEN", 0) <= 1 and counts.get("OPENDIR", 0) <= 1
+    # The first ENOSYS teaches the kernel (no_open, no_opendir); an open that raced
+    # it sends one more: the bridge's prefetch reader opens directories meanwhile.
+    assert counts.get("OPEN", 0) <= 1 and counts.get("OPENDIR", 0) <= 2
     assert counts.get("FLUSH", 0) <= 1
 
 
