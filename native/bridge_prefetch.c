@@ -39,7 +39,7 @@
  * directory offered in another state than RUNNING is dropped: there is no
  * one to list it.  The listings themselves are read by a child process
  * (see "the reader process" below), which the prefetch thread drives over
- * two pipes; the thread keeps the stack and the budgets and asks
+ * two pipes; the thread keeps the stack and the budget and asks
  * bridge_meta.c which directories to list.  It is detached and never
  * joined; at stop the reader is killed, and the thread, reading its EOF,
  * closes the pipes, reaps it and ends.  An entry that changed in the last
@@ -79,17 +79,13 @@
 enum prefetch_state { PF_IDLE, PF_ARMED, PF_RUNNING, PF_STOPPED };
 enum prefetch_event { PF_SET_MOUNTPOINT, PF_START, PF_STOP };
 
-struct pending {
-    char *path; /* mount-relative, "" for the root */
-};
-
 static struct {
     enum prefetch_state state;
     int enabled;
     char mountpoint[PATH_MAX];
-    struct pending stack[PREFETCH_STACK]; /* the newest at len - 1 */
+    char *stack[PREFETCH_STACK]; /* mount-relative paths ("" the root), newest last */
     unsigned len;
-    long listed; /* entries listed so far (the budgets) */
+    long listed; /* entries listed so far (the budget) */
     pid_t reader; /* the reader process (see below), 0 before it starts */
     int to_reader, from_reader; /* the prefetch thread's ends of its pipes */
 } g_pf = {.enabled = 1};
@@ -149,14 +145,21 @@ static int push_locked(const char *path)
     char *copy = strdup(path);
     if (copy == NULL)
         return -1;
-    g_pf.stack[g_pf.len++] = (struct pending){copy};
+    g_pf.stack[g_pf.len++] = copy;
     pthread_cond_signal(&g_pf_cond);
     return 0;
 }
 
-/* Pop the newest directory still within its budget, waiting for one; 0 once
- * stopped. */
-static int pop(struct pending *out)
+/* Under g_pf_lock: free every directory still waiting. */
+static void drop_stack_locked(void)
+{
+    while (g_pf.len > 0)
+        free(g_pf.stack[--g_pf.len]);
+}
+
+/* Pop the newest directory still within its budget (the caller frees it), waiting
+ * for one; NULL once stopped. */
+static char *pop(void)
 {
     pthread_mutex_lock(&g_pf_lock);
     for (;;) {
@@ -164,15 +167,15 @@ static int pop(struct pending *out)
             pthread_cond_wait(&g_pf_cond, &g_pf_lock);
         if (g_pf.state != PF_RUNNING)
             break;
-        *out = g_pf.stack[--g_pf.len];
+        char *path = g_pf.stack[--g_pf.len];
         if (within_budget()) {
             pthread_mutex_unlock(&g_pf_lock);
-            return 1;
+            return path;
         }
-        free(out->path); /* offered before the budget was spent */
+        free(path); /* offered before the budget was spent */
     }
     pthread_mutex_unlock(&g_pf_lock);
-    return 0;
+    return NULL;
 }
 
 /* Push the subdirectories a getdents64 buffer names (the walk goes on). */
@@ -191,7 +194,6 @@ static void push_children(const char *path, const char *buf, long got)
     }
     pthread_mutex_unlock(&g_pf_lock);
 }
-
 
 /* The kernel keeps a directory's listing (no OPENDIR: FOPEN_CACHE_DIR) until
  * an invalidation.  Only its entries were wanted: the listing itself is
@@ -216,8 +218,8 @@ static void forget_listing(uint64_t node)
  * the child's pending getdents64 with it.  The child uses only
  * async-signal-safe calls (it is forked from a threaded process): per
  * directory it reads a path and sends the getdents64 buffers of it, then a
- * zero length (at once when it cannot open it).  It ends on EOF, on a broken pipe, or with its parent
- * (PR_SET_PDEATHSIG). */
+ * zero length (at once when it cannot open it).  It ends on EOF, on a
+ * broken pipe, or with its parent (PR_SET_PDEATHSIG). */
 
 static int full_read(int fd, void *buf, size_t n)
 {
@@ -381,17 +383,17 @@ static int start_reader(void)
  * bridge_meta.c which of its directories are clean); any other directory only
  * if the bridge answers it and nobody listed it yet (claimed by its base
  * inode before the reader is asked, so each listing is one exchange). */
-static int64_t list_through_mount(const struct pending *p)
+static int64_t list_through_mount(const char *path)
 {
     static int root_listed; /* one thread */
     static char buf[PREFETCH_BUF];
-    uint64_t node = *p->path ? meta_claim_listing(p->path) : root_listed ? 0 : 1;
+    uint64_t node = *path ? meta_claim_listing(path) : root_listed ? 0 : 1;
     if (node == 0)
         return 0;
     root_listed = 1;
-    uint32_t len = (uint32_t)strlen(p->path);
+    uint32_t len = (uint32_t)strlen(path);
     if (full_write(g_pf.to_reader, &len, sizeof len) != 0 ||
-        full_write(g_pf.to_reader, p->path, len) != 0)
+        full_write(g_pf.to_reader, path, len) != 0)
         return -1;
     for (;;) {
         uint32_t n;
@@ -404,7 +406,7 @@ static int64_t list_through_mount(const struct pending *p)
         pthread_mutex_lock(&g_pf_lock);
         g_pf.listed += entries;
         pthread_mutex_unlock(&g_pf_lock);
-        push_children(p->path, buf, n);
+        push_children(path, buf, n);
     }
     return (int64_t)node;
 }
@@ -415,9 +417,9 @@ static void *prefetch_thread(void *unused)
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL); /* the loop threads take the signals */
-    for (struct pending p; pop(&p);) {
-        int64_t node = list_through_mount(&p);
-        free(p.path);
+    for (char *path; (path = pop()) != NULL;) {
+        int64_t node = list_through_mount(path);
+        free(path);
         if (node < 0)
             break; /* the reader is gone: no more prefetch */
         if (node > 0) {
@@ -456,8 +458,7 @@ void prefetch_start(void)
         pthread_attr_destroy(&attr);
         if (next == PF_STOPPED) {
             g_pf.state = PF_STOPPED;
-            while (g_pf.len > 0)
-                free(g_pf.stack[--g_pf.len].path);
+            drop_stack_locked();
         }
     }
     pthread_mutex_unlock(&g_pf_lock);
@@ -470,8 +471,7 @@ void prefetch_stop(void)
     if (g_pf.state == PF_RUNNING)
         kill(g_pf.reader, SIGKILL); /* its thread then reads EOF, closes and reaps */
     g_pf.state = (enum prefetch_state)next_state(PF_STOP);
-    while (g_pf.len > 0)
-        free(g_pf.stack[--g_pf.len].path);
+    drop_stack_locked();
     pthread_cond_broadcast(&g_pf_cond);
     pthread_mutex_unlock(&g_pf_lock);
     pthread_mutex_unlock(&g_pf_session_lock);

@@ -28,6 +28,7 @@ import pytest
 from slates import Client
 from slates.fuse.bridge import read_counters
 from slates.node.anchor import is_mounted
+from slates.node.mounts import exited_unreaped
 from tests.anchor_fixture import Service, service
 from tests.test_mount import mounted
 
@@ -256,17 +257,10 @@ def test_a_bridge_killed_in_the_middle_of_a_walk_exits(service: Service, tmp_pat
             wait_for(lambda: _children_of(pid) != [])  # the reader, walking
             readers = _children_of(pid)
             os.kill(pid, signal.SIGKILL)
-            wait_for(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), 20)
+            wait_for(lambda: not Path(f"/proc/{pid}").exists() or exited_unreaped(pid), 20)
             wait_for(lambda: not any(Path(f"/proc/{r}").exists() for r in readers), 20)
         finally:
             with contextlib.suppress(Exception):
                 client.unmount(where)
             if is_mounted(str(where)):
                 subprocess.run(["fusermount3", "-u", "-z", str(where)], check=False)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True

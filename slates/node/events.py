@@ -116,8 +116,7 @@ class RecordApplied(Event):
     @property
     def encoded(self) -> bytes:
         """The record's encoding, joined (a copy when it is held in parts)."""
-        record = self.record
-        return record if isinstance(record, bytes) else b"".join(record)
+        return _joined(self.record)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

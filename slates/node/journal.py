@@ -235,17 +235,16 @@ class Journal:
             raise CapacityExhausted("the journal segment is full", needed=need, room=self.room)
         at = _JOURNAL_START + committed
         mm = self.segment.map
-        combine = _crc32_combine()  # None: every part is read for the CRC
         crc = 0
         cursor = run = at + _FRAME.size  # `run`: where the bytes not yet checksummed start
         for part in parts:
             data = part.data if isinstance(part, Checksummed) else part
             mm[cursor : cursor + len(data)] = data
-            if combine is not None and isinstance(part, Checksummed):
-                if cursor > run:
-                    crc = crc32(memoryview(mm)[run:cursor], crc)
-                crc = combine(crc, part.crc, len(data)) & 0xFFFFFFFF
-                run = cursor + len(data)
+            if isinstance(part, Checksummed):
+                head = crc32(memoryview(mm)[run:cursor], crc) if cursor > run else crc
+                joined = combine_crc(head, part.crc, len(data))
+                if joined is not None:  # None without libz: the part is read with the run
+                    crc, run = joined, cursor + len(data)
             cursor += len(data)
         if cursor > run:
             crc = crc32(memoryview(mm)[run:cursor], crc)

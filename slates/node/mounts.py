@@ -322,11 +322,8 @@ def exited_unreaped(pid: int) -> bool:
     kernel.  A bridge killed while one of its threads waits on its own mount (a request
     that only the dead threads would have answered) stays so for good: its /dev/fuse fd
     is never closed, so the kernel never aborts the connection; abort_mount ends it."""
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat_line.rsplit(")", 1)[-1].split()[0] == "Z"
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] == "Z"
 
 
 def abort_mount(path: str) -> str:
@@ -410,12 +407,19 @@ def users_of(path: str, *, besides: int = 0) -> list[int]:
     return users
 
 
-def _parent_of(pid: str) -> int:
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (the state first), or None when
+    the process is gone (the name, in parentheses, may hold spaces)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return 0
-    return int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state
+        return None
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def _parent_of(pid: str) -> int:
+    fields = _stat_fields(pid)
+    return 0 if fields is None else int(fields[1])  # the field after the state
 
 
 def is_bridge(pid: int) -> bool:
