@@ -190,9 +190,49 @@ def test_unknown_and_malformed_fs_requests_are_invalid() -> None:
 
 
 def _plain(reply: object) -> dict[str, object]:
-    """fs.getattr's answer without the optional clean-base hints."""
+    """fs.getattr's answer without the optional hints (clean base, xattr count; the
+    count is checked by test_every_attr_reply_counts_the_xattrs_getxattr_finds)."""
     assert isinstance(reply, dict)
-    return {k: v for k, v in reply.items() if k not in ("base", "dir")}
+    return {k: v for k, v in reply.items() if k not in ("base", "dir", "xattrs")}
+
+
+XATTR_STEPS = st.lists(
+    st.tuples(st.sampled_from(("set", "remove")), st.sampled_from(("user.a", "user.b"))),
+    max_size=8,
+)
+
+
+@settings(max_examples=50, deadline=None)
+@given(XATTR_STEPS)
+def test_every_attr_reply_counts_the_xattrs_getxattr_finds(
+    steps: list[tuple[str, str]],
+) -> None:
+    """The bridge answers the kernel's xattr probes itself when an ATTR says `xattrs: 0`
+    (PROTOCOL.md): every ATTR reply's count is what listxattr (and getxattr) find."""
+    volume = Volume.new(Host())
+    entry = fs(volume, "create", parent=ROOT_INO, name="f", mode=0o644, uid=0, gid=0)
+    assert isinstance(entry, dict) and entry["xattrs"] == 0
+    ino = int(entry["ino"])
+    for op, name in steps:
+        if op == "set":
+            fs(volume, "setxattr", ino=ino, name=name, value=b"v", flags=0)
+        else:
+            try:
+                fs(volume, "removexattr", ino=ino, name=name)
+            except SlatesError:
+                continue  # it had none of that name
+        names = fs(volume, "listxattr", ino=ino)
+        assert isinstance(names, list)
+        for reply in (
+            fs(volume, "getattr", ino=ino),
+            fs(volume, "lookup", parent=ROOT_INO, name="f"),
+            fs(volume, "setattr", ino=ino, mode=0o600),
+        ):
+            assert isinstance(reply, dict) and reply["xattrs"] == len(names)
+        listed = fs(volume, "readdir", ino=ROOT_INO, offset=0, plus=True, limit_bytes=1 << 16)
+        assert isinstance(listed, list)
+        (plus,) = [item[4] for item in listed if item[0] == "f"]
+        assert plus["xattrs"] == len(names)
 
 
 MUTATIONS = st.lists(

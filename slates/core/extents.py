@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import operator
 from collections.abc import Iterator
 
 __all__ = [
@@ -76,9 +77,12 @@ def page_ceil(offset: int) -> int:
     return -(-offset // PAGE) * PAGE
 
 
+_START = operator.attrgetter("start")  # bisect's key, in C: this runs several times a write
+
+
 def _first_overlap(extents: tuple[Extent, ...], start: int) -> int:
     """Index of the first extent whose end is beyond `start`."""
-    i = bisect.bisect_right(extents, start, key=lambda e: e.start)
+    i = bisect.bisect_right(extents, start, key=_START)
     if i > 0 and extents[i - 1].start + extents[i - 1].length > start:
         return i - 1
     return i
@@ -97,7 +101,11 @@ def uncovered(extents: tuple[Extent, ...], start: int, end: int) -> list[tuple[i
     """The parts of [start, end) that no PageSpan covers, as (start, end) pairs."""
     gaps: list[tuple[int, int]] = []
     cursor = start
-    for extent in overlapping(extents, start, end):
+    # `overlapping`, inlined: every write asks this several times.
+    for i in range(_first_overlap(extents, start), len(extents)):
+        extent = extents[i]
+        if extent.start >= end:
+            break
         if not isinstance(extent, PageSpan):
             continue
         if extent.start > cursor:

@@ -134,6 +134,7 @@ from slates.errors import (
 
 __all__ = [
     "ROOT_INO",
+    "content_tally",
     "PRIVATE_ST_INO",
     "BASE_INO_START",
     "BASE_INO_SPAN",
@@ -541,6 +542,34 @@ def _buffer_ids(inode: Inode | None) -> set[int]:
     return {e.buffer_id for e in inode.body.extents if isinstance(e, PageSpan)}
 
 
+ContentTally = tuple[int, int, int, set[int]]  # referenced, unique, page bytes, buffer ids
+KNOWN_TALLIES = 64  # files whose last tally a volume keeps (a few writers at a time)
+
+
+def content_tally(inode: Inode | None, epoch: int) -> ContentTally:
+    """What `_referenced`, `Volume._unique` (at `epoch`), `_page_bytes` and `_buffer_ids`
+    give for `inode`, in one pass over its extents: `Volume._commit` asks for all four of
+    the old and the new inode of every record."""
+    if inode is None or not isinstance(inode.body, FileBody):
+        return 0, 0, 0, set()
+    size = inode.body.size
+    referenced = unique = pages = 0
+    buffers: set[int] = set()
+    for extent in inode.body.extents:
+        if isinstance(extent, PageSpan):
+            pages += extent.length
+            unique += extent.length
+            buffers.add(extent.buffer_id)
+        elif isinstance(extent, ChunkSpan):
+            if extent.epoch == epoch:
+                unique += extent.length
+        else:
+            continue  # base content: neither stored here nor unique
+        if extent.start < size:
+            referenced += min(extent.start + extent.length, size) - extent.start
+    return referenced, unique, pages, buffers
+
+
 def _changed_span(current: bytes, data: bytes) -> tuple[int, int]:
     """The part [lo, hi) of `data` that must be written over `current` (the file's bytes
     where data starts; data may run past its end): never empty, so a write of
@@ -626,6 +655,12 @@ class Volume:
         self._handles: dict[int, int] = {}
         self._dirty: set[int] = set()
         self._fresh: set[int] = set()  # page buffers made by the record being applied
+        # The content_tally of the files `_commit` changed last (the inode it made, the
+        # epoch it was counted at, the tally), at most KNOWN_TALLIES of them, the most
+        # recent last: inodes are immutable, so when the next record's old inode is that
+        # very object its tally is known (a file written many times in a row is not
+        # counted twice per write).
+        self._tallies: dict[int, tuple[Inode, int, ContentTally]] = {}
         self._closed = False
         # Called after every applied record with its result: the journal's seam.
         self.on_applied: Callable[[Record, object], None] | None = None
@@ -817,8 +852,16 @@ class Volume:
         txn = _Txn(self.root, self._own_limit)
         self._fresh.clear()
         match record:
+            # The records a mount sends most (its writes, and a kernel reference for
+            # every entry it is handed) first: the classes are disjoint, so the order
+            # changes only the isinstance checks each record pays.
+            case Write():
+                result: object = self._write(txn, record)
+            case Retain():
+                result = None
+                self._retain(txn, record)
             case BindBase():
-                result: object = self._bind_base(txn, record)
+                result = self._bind_base(txn, record)
             case Create():
                 result = self._add_node(
                     txn,
@@ -886,8 +929,6 @@ class Volume:
             case Rename():
                 result = None
                 self._rename(txn, record)
-            case Write():
-                result = self._write(txn, record)
             case Truncate():
                 result = None
                 self._truncate(txn, record)
@@ -906,9 +947,6 @@ class Volume:
             case RemoveXattr():
                 result = None
                 self._removexattr(txn, record)
-            case Retain():
-                result = None
-                self._retain(txn, record)
             case Forget():
                 result = None
                 self._forget(txn, record)
@@ -940,13 +978,27 @@ class Volume:
         meta_delta = 0
         dead_buffers: set[int] = set(self._fresh)
         live_buffers: set[int] = set()
+        epoch = self.root.epoch
+        tallies = self._tallies
         for ino, old in txn.before.items():
             new = txn.inodes.get(ino)
-            referenced += _referenced(new) - _referenced(old)
-            unique += self._unique(new) - self._unique(old)
-            page_delta += _page_bytes(new) - _page_bytes(old)
-            new_buffers = _buffer_ids(new)
-            dead_buffers |= _buffer_ids(old)
+            new_tally = content_tally(new, epoch)
+            known = tallies.get(ino)
+            if known is not None and known[0] is old and known[1] == epoch:
+                old_tally = known[2]  # this very inode's, worked out when it was made
+            else:
+                old_tally = content_tally(old, epoch)
+            tallies.pop(ino, None)
+            if new is not None and isinstance(new.body, FileBody):
+                tallies[ino] = (new, epoch, new_tally)  # the most recent last
+                if len(tallies) > KNOWN_TALLIES:
+                    del tallies[next(iter(tallies))]
+            new_referenced, new_unique, new_pages, new_buffers = new_tally
+            old_referenced, old_unique, old_pages, old_buffers = old_tally
+            referenced += new_referenced - old_referenced
+            unique += new_unique - old_unique
+            page_delta += new_pages - old_pages
+            dead_buffers |= old_buffers
             live_buffers |= new_buffers
             if self._is_own(ino):
                 meta_delta += _metadata(new) - _metadata(old)

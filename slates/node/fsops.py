@@ -97,9 +97,14 @@ def attr_map(attr: Attr) -> dict[str, int]:
 
 
 def attr_reply(volume: Volume, attr: Attr) -> dict[str, Any]:
-    """An ATTR for the bridge: attr_map, plus "base" when the content is the base file's
-    and "dir" when every visible name of a directory is an untouched base name."""
+    """An ATTR for the bridge: attr_map, plus "xattrs" (how many extended attributes the
+    inode has: with 0 the bridge answers the kernel's probes of security.capability on
+    every write itself, PROTOCOL.md), "base" when the content is the base file's and
+    "dir" when every visible name of a directory is an untouched base name."""
     out: dict[str, Any] = attr_map(attr)
+    inode = volume.root.inodes.get(attr.ino)
+    if inode is not None:
+        out["xattrs"] = len(inode.xattrs)
     if attr.kind == Kind.DIR:
         mark = clean_dir_mark(volume, attr.ino)
         if mark is not None:
@@ -229,6 +234,18 @@ def _with_file_attr(volume: Volume, args: dict[str, Any], key: str, count: int, 
 def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
     """Run one fs.* operation on `volume` at time `now`."""
     match op:
+        # What a build sends most first (the cases are distinct names: the order
+        # changes only the comparisons each request pays).
+        case "fs.write":
+            data = args.get("data")
+            if not isinstance(data, bytes):
+                raise InvalidArgument("data must be bytes")
+            ino = _int(args, "ino")
+            written = volume.write(ino, _int(args, "offset"), data, time_ns=now)
+            return _with_file_attr(volume, args, "written", written, ino)
+        case "fs.read":
+            size = min(_int(args, "size"), MAX_READ)
+            return volume.read(_int(args, "ino"), _int(args, "offset"), size)
         case "fs.lookup" if "node" in args:
             return _bind_node(volume, args)
         case "fs.lookup":
@@ -308,16 +325,6 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
             return _entry_with_parent(volume, args, attr, _int(args, "new_parent"))
         case "fs.create":
             return _create(volume, args, now)
-        case "fs.read":
-            size = min(_int(args, "size"), MAX_READ)
-            return volume.read(_int(args, "ino"), _int(args, "offset"), size)
-        case "fs.write":
-            data = args.get("data")
-            if not isinstance(data, bytes):
-                raise InvalidArgument("data must be bytes")
-            ino = _int(args, "ino")
-            written = volume.write(ino, _int(args, "offset"), data, time_ns=now)
-            return _with_file_attr(volume, args, "written", written, ino)
         case "fs.fsync":
             volume.getattr(_int(args, "ino"))
             return {}  # acknowledged writes are already committed to the journal

@@ -227,6 +227,9 @@ class Journal:
         Checksummed part's CRC taken as given, not computed again).  The CRC of the other
         parts is computed from the frame's own bytes once they are in place, a run of
         parts between two Checksummed ones at a time."""
+        if type(payload) is bytes:  # the usual frame, one packed message: no parts to walk
+            self._append_bytes(payload)
+            return
         parts = [payload] if isinstance(payload, bytes) else payload
         length = sum(len(p.data if isinstance(p, Checksummed) else p) for p in parts)
         committed = self.committed
@@ -248,13 +251,35 @@ class Journal:
             cursor += len(data)
         if cursor > run:
             crc = crc32(memoryview(mm)[run:cursor], crc)
+        self._seal_frame(at, length, crc, cursor)
+
+    def _append_bytes(self, payload: bytes) -> None:
+        """`append` of one bytes payload: copied into place, its CRC computed from the
+        frame's own bytes there, exactly as the general path does for a lone part."""
+        length = len(payload)
+        committed = self._committed
+        need = _FRAME.size + length
+        if need > self.room:
+            raise CapacityExhausted("the journal segment is full", needed=need, room=self.room)
+        at = _JOURNAL_START + committed
+        mm = self.segment.map
+        start = at + _FRAME.size
+        cursor = start + length
+        mm[start:cursor] = payload
+        crc = crc32(memoryview(mm)[start:cursor]) if length else 0
+        self._seal_frame(at, length, crc, cursor)
+
+    def _seal_frame(self, at: int, length: int, crc: int, cursor: int) -> None:
+        """Write a frame's header, then commit it: the frame's bytes end at `cursor`."""
+        mm = self.segment.map
         _FRAME.pack_into(mm, at, length, crc)
         if cursor > self._resident_end:
             self._resident_end = -(-cursor // _PAGE) * _PAGE
             self.segment.touched()
         # The commit point: one aligned 8-byte store.
-        struct.pack_into("<Q", mm, 24, committed + need)
-        self._committed = committed + need
+        committed = self._committed + _FRAME.size + length
+        struct.pack_into("<Q", mm, 24, committed)
+        self._committed = committed
 
     def entries(self) -> Iterator[bytes]:
         mm = self.segment.map

@@ -358,6 +358,10 @@ class ShardService(ShardState):
 
     def _run(self, op: str, args: dict[str, Any], now: int) -> Any:
         match op:
+            # A mount's requests, nearly all a shard serves, match none of the names
+            # below: they go straight to their volume.
+            case op if op.startswith("fs."):
+                return self._volume_op(op, args, now)
             case "status":
                 return self.status()
             case "volume.list":
@@ -409,24 +413,26 @@ class ShardService(ShardState):
                     "bytes_sealed": report.bytes_sealed,
                 }
             case _:
-                vid, volume = self._volume(args)
-                if vid in self.greens and op in GREEN_REFUSES:
-                    raise NotPermitted(
-                        "a green volume changes only by submission", volume=vid, op=op
-                    )
-                if isinstance(volume.base, RemoteBase):
-                    if op in GREEN_REFUSES and vid in self.remote.submitting:
-                        raise Unavailable(
-                            "this remote work volume is being submitted or rebased: try "
-                            "again when that is answered",
-                            volume=vid,
-                        )
-                    return self._remote_op(vid, volume, op, args, now)
-                if op.startswith("fs."):
-                    return run_fs_op(volume, op, args, now)
-                if op == "read" and (warm := self._base_read_warmer(volume, args)) is not None:
-                    return self._large_base_read(vid, warm, args, now)
-                return run_path_op(volume, op, args, now)
+                return self._volume_op(op, args, now)
+
+    def _volume_op(self, op: str, args: dict[str, Any], now: int) -> Any:
+        """An op on one volume: a mount's fs.* request or a path op (`_run`'s last case)."""
+        vid, volume = self._volume(args)
+        if vid in self.greens and op in GREEN_REFUSES:
+            raise NotPermitted("a green volume changes only by submission", volume=vid, op=op)
+        if isinstance(volume.base, RemoteBase):
+            if op in GREEN_REFUSES and vid in self.remote.submitting:
+                raise Unavailable(
+                    "this remote work volume is being submitted or rebased: try "
+                    "again when that is answered",
+                    volume=vid,
+                )
+            return self._remote_op(vid, volume, op, args, now)
+        if op.startswith("fs."):
+            return run_fs_op(volume, op, args, now)
+        if op == "read" and (warm := self._base_read_warmer(volume, args)) is not None:
+            return self._large_base_read(vid, warm, args, now)
+        return run_path_op(volume, op, args, now)
 
     def _remote_op(self, vid: str, volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
         """An op on a volume over a remote green version: a read of content not here yet

