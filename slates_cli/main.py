@@ -30,7 +30,9 @@ command's exit code, skipping the interpreter's teardown of every module
 (several ms).  It does so only when nothing could still need the teardown:
 one thread, no atexit callbacks, and not a serving command (QUICK_EXIT_NEVER);
 else, and whenever `main` is called with arguments (tests, CliRunner), it
-exits as any Python program does.
+exits as any Python program does.  The garbage collector, paused by the
+package for the imports of a `slates` process, resumes once this module is
+loaded (slates_cli.resume_collector).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import click
 
 from slates.errors import SlatesError
 
+from . import resume_collector
 from .commands import register, runtime_dir_option, terminal_columns
 
 if TYPE_CHECKING:
@@ -591,6 +594,7 @@ def mcp_server(runtime_dir: str | None, token_file: str | None) -> None:
 
 
 register(main, _fail)
+resume_collector()  # every module a command needs at start is loaded: see slates_cli
 
 
 if __name__ == "__main__":

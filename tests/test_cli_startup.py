@@ -26,13 +26,20 @@ What is checked, per hot command (issue 14: create + mount from the CLI):
 - a `slates` process skips the interpreter's teardown when nothing needs
   it (its exit code and output unchanged, through a pipe), and not with a
   second thread or for a serving command (`anchor`);
+- a `slates` process (the console script, `python [-X ...] -m
+  slates_cli.main`) imports with the garbage collector paused and collects
+  again once slates_cli.main is loaded, the modules' objects frozen; a
+  collector that was off stays off, and a program or test that imports the
+  CLI keeps its collector untouched (is_the_command tells which processes
+  are the command);
 - a request loads of the service's side (slates.node) only the runtime
   directory's state file (runtime): not the wire's server side (protocol:
   the SDK speaks it through slates.wire), never the anchor (a size parser
   lives there), the core, the merge engine, trio; nor pathlib or socket.py
   (the blocking transport uses socket's C half), nor the commands of
   slates_cli.land, slates_cli.agents and slates_cli.fleet (loaded when
-  named); rich only for tables;
+  named); rich only for tables, and without tables no dataclass at all
+  (the state file's records are NamedTuples);
 - round trips: each command connects to the sockets it needs, each once.
   `mount VOLUME_ID` and `unmount` talk to the anchor only; a volume named
   by name is looked up on every shard once; `volume list` and `status`
@@ -94,7 +101,7 @@ from slates.sdk import Client
 from slates.sdk.blocking import ALONG_MOST, BlockingShardConnection, BlockingTransport
 from slates.sdk.client import _run_to_end
 from slates.sdk.session import RECONNECT_SECONDS, RETRY_MOST, Reconnect, ShardSession
-from slates_cli import commands
+from slates_cli import commands, is_the_command
 from slates_cli.main import LAZY_COMMANDS, help_width, main
 from tests.anchor_fixture import Service, service
 
@@ -221,6 +228,8 @@ def _check_request(probe: Probe, *, tables: bool) -> None:
     assert probe.of("slates.node") <= NODE_FOR_A_REQUEST, sorted(probe.of("slates.node"))
     assert not probe.any_of(NEVER_FOR_A_REQUEST), sorted(probe.any_of(NEVER_FOR_A_REQUEST))
     assert ("rich" in probe.loaded) == tables, sorted(probe.of("rich"))
+    if not tables:  # the state file's records are NamedTuples: no dataclass is built
+        assert "dataclasses" not in probe.loaded
 
 
 @pytest.mark.parametrize(
@@ -380,6 +389,81 @@ def test_the_console_script_keeps_output_and_exit_codes(tmp_path: Path) -> None:
     assert listing.stdout == helped.output
     usage = subprocess.run([SLATES, "mount"], capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "Missing argument" in usage.stderr
+
+
+_COLLECTOR_REPORT = """
+import atexit, gc, os, sys
+if os.environ.get("PROBE_NO_COLLECTOR"):
+    gc.disable()
+def _report(write=os.write):
+    loaded = "slates_cli" in sys.modules
+    write(2, f"COLLECTOR {gc.isenabled()} {gc.get_freeze_count()} {loaded}".encode())
+atexit.register(_report)  # (an atexit callback: the command exits the usual way)
+"""
+
+
+def _collector_at_exit(
+    tmp_path: Path, command: list[str], *, disabled: bool = False
+) -> tuple[bool, int]:
+    """Run `command` (which loads the CLI) with a sitecustomize that reports the collector
+    at exit, having turned it off first if `disabled`: (enabled, objects frozen)."""
+    (tmp_path / "sitecustomize.py").write_text(_COLLECTOR_REPORT)
+    env = {k: v for k, v in os.environ.items() if k != "PROBE_NO_COLLECTOR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *sys.path])
+    if disabled:
+        env["PROBE_NO_COLLECTOR"] = "1"
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    enabled, frozen, loaded = done.stderr.rsplit("COLLECTOR ", 1)[1].split()
+    assert loaded == "True"
+    return enabled == "True", int(frozen)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [SLATES, "--help"],  # the console script
+        [sys.executable, "-m", "slates_cli.main", "--help"],  # as spawn_anchor starts it
+        [sys.executable, "-X", "importtime", "-m", "slates_cli.main", "volume", "--help"],
+    ],
+)
+def test_a_slates_process_collects_again_after_its_imports(
+    tmp_path: Path, command: list[str]
+) -> None:
+    # The collector was paused for the imports (slates_cli) and resumed by main: enabled,
+    # with the modules' objects frozen.
+    enabled, frozen = _collector_at_exit(tmp_path, command)
+    assert enabled and frozen > 1000
+    # One that was off before the command started stays off, and nothing is frozen.
+    assert _collector_at_exit(tmp_path, command, disabled=True) == (False, 0)
+
+
+def test_importing_the_cli_leaves_a_programs_collector_alone(tmp_path: Path) -> None:
+    program = "import slates_cli.main, slates_cli.commands, gc; gc.collect()"
+    assert _collector_at_exit(tmp_path, [sys.executable, "-c", program]) == (True, 0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "orig_argv", "command"),
+    [
+        (["/usr/bin/slates", "mount"], ["/usr/bin/python3", "/usr/bin/slates", "mount"], True),
+        (["slates"], ["python", "slates"], True),
+        (["-m", "x"], ["python", "-m", "slates_cli.main", "x"], True),
+        (["-m"], ["python", "-X", "importtime", "-W", "error", "-m", "slates_cli.main"], True),
+        (["-m"], ["python", "-Ximporttime", "-I", "-m", "slates_cli.main"], True),
+        (["-m"], ["python", "-m", "slates_cli.demo"], False),
+        (["-m"], ["python", "-m", "pytest", "-m", "slates_cli.main"], False),
+        (["-c"], ["python", "-c", "import slates_cli", "-m", "slates_cli.main"], False),
+        (["run.py"], ["python", "run.py", "-m", "slates_cli.main"], False),
+        (["/x/pytest"], ["python", "/x/pytest", "tests/test_cli_startup.py"], False),
+        (["/x/slates-bridge"], ["python", "/x/slates-bridge"], False),
+        ([], [], False),
+    ],
+)
+def test_which_processes_are_the_command(
+    argv: list[str], orig_argv: list[str], command: bool
+) -> None:
+    assert is_the_command(argv, orig_argv) is command
 
 
 def test_the_probe_sees_what_a_command_loads(tmp_path: Path) -> None:

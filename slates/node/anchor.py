@@ -21,7 +21,9 @@ by the loop once the mount is answered, never while a request waits.  A
 spare that died is replaced (bounded like the link); a mount that finds
 none, or a spare that dies with its job, starts a fresh bridge as before.
 The spare is no mount: it is not in the state file, `gc` never reaps it,
-and it is let go (by pid) when the anchor stops.
+and it is let go (by pid) when the anchor stops.  Each mount's log line
+says where its wait went: the anchor's checks, the bridge (job to ready
+byte), the state file.
 
 A bridge that dies unasked (not exit 0, which is an unmount from outside)
 is restarted on the same directory for the same volume: its dead FUSE
@@ -520,6 +522,7 @@ class Anchor:
         the kernel check every access against the files' modes and owners.  An
         agent's bridge presents the agent's token, so the shard authorizes its
         requests as that agent's (a green mounts read-only for it)."""
+        asked = time.monotonic()
         allow_other = allow_other or uid != os.geteuid()
         path = os.path.realpath(directory)
         if path in self.mounts or is_mounted(path):
@@ -529,7 +532,9 @@ class Anchor:
                 raise AlreadyExists("the volume is already mounted", directory=other.directory)
         _check_directory(path, uid)
         job = self._job(volume, path, writeback, allow_other, token)
+        handed = time.monotonic()
         process, log = self._serve(job)
+        served = time.monotonic()
         self.mounts[path] = _Mount(
             path,
             volume,
@@ -543,7 +548,12 @@ class Anchor:
             log=log,
         )
         self._publish()
-        _log(f"mounted {volume} at {path} (bridge pid {process.pid})")
+        # Where a mount's wait went (issue 14): the checks, the bridge, the state file.
+        checks, bridge, state = handed - asked, served - handed, time.monotonic() - served
+        _log(
+            f"mounted {volume} at {path} (bridge pid {process.pid}; checks {checks * 1e3:.1f} "
+            f"ms, bridge ready {bridge * 1e3:.1f} ms, state file {state * 1e3:.1f} ms)"
+        )
         return {"directory": path, "volume": volume, "pid": process.pid}
 
     def _job(
