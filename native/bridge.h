@@ -45,7 +45,8 @@
 #define BRIDGE_STAT_ATTR_ANSWERS 70 /* GETATTRs answered from a mutation's reply */
 #define BRIDGE_STAT_URING_REQUESTS 71 /* kernel requests that came over io_uring */
 #define BRIDGE_STAT_PREFETCHES 72 /* clean directories listed ahead (bridge_prefetch.c) */
-#define BRIDGE_COUNTERS 73
+#define BRIDGE_STAT_WATCH_INVALS 73 /* kept listings a base change dropped (bridge_watch.c) */
+#define BRIDGE_COUNTERS 74
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
 
 /* Volume id and the ring spin budget (ns).  Call once, first. */

@@ -354,6 +354,20 @@ BRIDGE_INTERNAL void prefetch_start(void);
 /* No more listings (the bridge stops); idempotent, never waits for the thread. */
 BRIDGE_INTERNAL void prefetch_stop(void);
 
+/* -- bridge_watch.c ----------------------------------------------------------- */
+
+/* After INIT is answered: start the watch thread (inotify on clean base dirs). */
+BRIDGE_INTERNAL void watch_start(void);
+/* No more invalidations (the bridge stops); idempotent, never waits. */
+BRIDGE_INTERNAL void watch_stop(void);
+/* Watch the base directory open at `dir_fd` for `node`'s names (before any is
+ * read): its generation (from 1), or 0 when it is not watched. */
+BRIDGE_INTERNAL uint64_t watch_dir(uint64_t node, int dir_fd);
+/* The generation of a watched directory, or 0 when it is not watched. */
+BRIDGE_INTERNAL uint64_t watch_gen(uint64_t node);
+/* A listing of `node` raced an invalidation: invalidate it again shortly. */
+BRIDGE_INTERNAL void watch_recheck(uint64_t node);
+
 /* -- bridge_loop.c ------------------------------------------------------------- */
 
 /* Interrupt a thread with SIGTERM until it ends, and join it. */

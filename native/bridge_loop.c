@@ -179,8 +179,10 @@ int bridge_run(int ready_fd)
     if (!loop_over())
         uring_start(); /* io_uring mode only: rings serve once every queue registers */
     signal_ready(&ready_fd);
-    if (!loop_over())
+    if (!loop_over()) {
+        watch_start(); /* before the walk lists anything it keeps */
         prefetch_start();
+    }
     pthread_t ids[BRIDGE_MAX_LOOP_THREADS];
     unsigned started = 0;
     while (!loop_over() && started + 1 < g_threads) {
@@ -192,6 +194,7 @@ int bridge_run(int ready_fd)
         ;
     fuse_session_exit(g_bridge.se);
     prefetch_stop();
+    watch_stop();
     join_workers(ids, started);
     uring_stop();
     g_running = 0;

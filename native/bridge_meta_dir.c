@@ -61,7 +61,8 @@ static int by_cookie(const void *a, const void *b)
  * -errno.  *out is malloc'ed (names too); bounded by BRIDGE_LIST_MAX names.
  * *dir_out is the directory as listed (the caller's to closedir). */
 #define BRIDGE_LIST_MAX (1u << 20)
-static long list_beneath(const char *path, struct listed **out, DIR **dir_out)
+static long list_beneath(const char *path, uint64_t node, uint64_t off, uint64_t *gen,
+                         struct listed **out, DIR **dir_out)
 {
     struct open_how how;
     memset(&how, 0, sizeof how);
@@ -76,6 +77,9 @@ static long list_beneath(const char *path, struct listed **out, DIR **dir_out)
         close((int)fd);
         return -err;
     }
+    /* Watched before its first name is read, so no change after goes unseen
+     * (bridge_watch.c); a later call only reads the generation. */
+    *gen = off == 0 ? watch_dir(node, (int)fd) : watch_gen(node);
     size_t n = 0, cap = 64;
     struct listed *items = malloc(cap * sizeof *items);
     long rc = items != NULL ? 0 : -ENOMEM;
@@ -155,7 +159,8 @@ int meta_readdirplus(fuse_req_t req, uint64_t dir, size_t size, uint64_t off)
         return 0;
     struct listed *items = NULL;
     DIR *listed = NULL;
-    long n = list_beneath(path, &items, &listed);
+    uint64_t gen = 0;
+    long n = list_beneath(path, dir, off, &gen, &items, &listed);
     free(path);
     if (n < 0)
         return 0; /* the shard decides (a directory swapped, gone, unreadable) */
@@ -211,6 +216,8 @@ full:
     if (ok && meta_lock_if(epoch)) {
         fuse_reply_buf(req, buf, used); /* before any later invalidation reaches the kernel */
         meta_unlock();
+        if (gen != 0 && watch_gen(dir) != gen)
+            watch_recheck(dir); /* the base changed while this was listed */
     } else {
         ok = 0;
         give_back(counted, ncounted); /* never sent: the kernel holds none of them */

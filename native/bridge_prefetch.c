@@ -15,16 +15,19 @@
  * (getdents64): the kernel sends READDIRPLUS, which the loop threads answer
  * from the base like any other (bridge_meta_dir.c, each entry's kernel
  * reference counted in the bridge, never the shard's), and a caller's next
- * lstat finds the name cached.  The kernel's copy of each listing is then
- * dropped (forget_listing), so a caller's first listing still reads the live
- * base then, as without prefetch.  Nothing here answers the kernel or
- * changes what any request returns: the listings are an ordinary reader's.
+ * lstat finds the name cached.  Each listing is read to its end, so the
+ * kernel holds it as complete and answers a caller's listing from it; it is
+ * kept while bridge_watch.c watches the base directory (the watch drops it
+ * when the base's names change), and dropped at once otherwise
+ * (forget_listing), so a caller's first listing then reads the live base.
+ * Nothing here answers the kernel or changes what any request returns: the
+ * listings are an ordinary reader's.
  *
  * Which directories: once the mount serves, the root, then every
- * subdirectory a listing shows, depth first (a stack), until
- * PREFETCH_WALK_ENTRIES entries were listed; an agent's first command in a
- * fresh workspace is nearly always one that walks it (git status, grep -r,
- * find, a build).  Nothing is listed on demand past that budget: on a
+ * subdirectory a listing shows, depth first (a stack; the root's .git last),
+ * by several readers at once, until PREFETCH_WALK_ENTRIES entries were
+ * listed; an agent's first command in a fresh workspace is nearly always one
+ * that walks it (git status, grep -r, find, a build).  Nothing is listed on demand past that budget: on a
  * 100,000-file tree, listing each directory git's preload threads entered
  * raced their lookups of the same names (the kernel serializes a listing's
  * entries against lookups in flight) and made git status 1.7x slower
@@ -37,17 +40,19 @@
  * Lifecycle (a table, as everywhere): IDLE --set_mountpoint--> ARMED
  * --start--> RUNNING --stop--> STOPPED, and any state --stop--> STOPPED.  A
  * directory offered in another state than RUNNING is dropped: there is no
- * one to list it.  The listings themselves are read by a child process
- * (see "the reader process" below), which the prefetch thread drives over
- * two pipes; the thread keeps the stack and the budget and asks
- * bridge_meta.c which directories to list.  It is detached and never
- * joined; at stop the reader is killed, and the thread, reading its EOF,
- * closes the pipes, reaps it and ends.  An entry that changed in the last
- * two seconds (a file being written into the live base) comes in a listing
- * without attributes, so the kernel looks it up when it needs it
- * (bridge_meta.c, changing()).
+ * one to list it.  The listings themselves are read by one child process
+ * per two CPUs (readers_wanted; see "the reader process" below), which
+ * the prefetch thread drives over two pipes each (poll); the thread keeps
+ * the stack and the budget and asks bridge_meta.c which directories to
+ * list, and the walk ends when no reader lists and nothing waits.  It is
+ * detached and never joined; at stop the readers are killed, and the
+ * thread, reading their EOF, closes the pipes, reaps them and ends.  An
+ * entry that changed in the last two seconds (a file being written into the
+ * live base) comes in a listing without attributes, so the kernel looks it
+ * up when it needs it (bridge_meta.c, changing()).
  *
- * Bounded: PREFETCH_STACK directories wait (a full stack refuses more);
+ * Bounded: PREFETCH_STACK directories wait (a full stack refuses more), at
+ * most PREFETCH_READERS_MAX readers list;
  * the entry budgets above bound what the kernel and the bridge's node table
  * hold because of prefetch.  Counted: BRIDGE_STAT_PREFETCHES (directories
  * listed).
@@ -58,6 +63,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -70,13 +76,19 @@
 #include <unistd.h>
 
 #define PREFETCH_STACK 1024
+#define PREFETCH_READERS_MAX 4
 #define PREFETCH_WALK_ENTRIES 8192
 #define PREFETCH_BUF (64u << 10) /* the kernel asks READDIRPLUS for this much */
-/* Entries a full READDIRPLUS reply of PREFETCH_BUF bytes holds at the least:
- * a fuse_direntplus is 152 bytes plus the name, padded to 8. */
-#define PREFETCH_FULL_REPLY (PREFETCH_BUF / (152 + NAME_MAX + 1))
 
 enum prefetch_state { PF_IDLE, PF_ARMED, PF_RUNNING, PF_STOPPED };
+
+/* A reader process (see "the reader process" below) and the directory it lists. */
+struct reader {
+    pid_t pid;
+    int to, from;   /* the prefetch thread's ends of its pipes */
+    char *path;     /* the directory it lists (NULL: idle) */
+    uint64_t node;  /* its node id */
+};
 enum prefetch_event { PF_SET_MOUNTPOINT, PF_START, PF_STOP };
 
 static struct {
@@ -86,11 +98,10 @@ static struct {
     char *stack[PREFETCH_STACK]; /* mount-relative paths ("" the root), newest last */
     unsigned len;
     long listed; /* entries listed so far (the budget) */
-    pid_t reader; /* the reader process (see below), 0 before it starts */
-    int to_reader, from_reader; /* the prefetch thread's ends of its pipes */
+    struct reader readers[PREFETCH_READERS_MAX];
+    unsigned nreaders; /* started (set before the thread runs, then fixed) */
 } g_pf = {.enabled = 1};
 static pthread_mutex_t g_pf_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t g_pf_cond = PTHREAD_COND_INITIALIZER;
 /* Held by an invalidation from this thread and by prefetch_stop, so the
  * session is never used once the bridge stops (it is destroyed after). */
 static pthread_mutex_t g_pf_session_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -137,7 +148,9 @@ int prefetch_set_mountpoint(const char *mountpoint)
 /* Under g_pf_lock: whether a directory may still be listed. */
 static int within_budget(void) { return g_pf.listed < PREFETCH_WALK_ENTRIES; }
 
-/* Under g_pf_lock: push a copy of `path` (0), or drop it (-1). */
+/* Under g_pf_lock: push a copy of `path` (0), or drop it (-1).  The root's
+ * .git goes to the bottom, listed last: git status, grep and builds list the
+ * work tree, and a repository's objects would spend the budget first. */
 static int push_locked(const char *path)
 {
     if (g_pf.state != PF_RUNNING || g_pf.len == PREFETCH_STACK || !within_budget())
@@ -145,8 +158,13 @@ static int push_locked(const char *path)
     char *copy = strdup(path);
     if (copy == NULL)
         return -1;
-    g_pf.stack[g_pf.len++] = copy;
-    pthread_cond_signal(&g_pf_cond);
+    if (strcmp(path, ".git") == 0) {
+        memmove(&g_pf.stack[1], &g_pf.stack[0], g_pf.len * sizeof g_pf.stack[0]);
+        g_pf.stack[0] = copy;
+        g_pf.len++;
+    } else {
+        g_pf.stack[g_pf.len++] = copy;
+    }
     return 0;
 }
 
@@ -157,16 +175,13 @@ static void drop_stack_locked(void)
         free(g_pf.stack[--g_pf.len]);
 }
 
-/* Pop the newest directory still within its budget (the caller frees it), waiting
- * for one; NULL once stopped. */
-static char *pop(void)
+/* Pop the newest directory still within its budget (the caller frees it); NULL
+ * when none is left or the walk stopped.  Only the prefetch thread pushes, so
+ * an empty stack while no reader lists is the end of the walk. */
+static char *pop_now(void)
 {
     pthread_mutex_lock(&g_pf_lock);
-    for (;;) {
-        while (g_pf.state == PF_RUNNING && g_pf.len == 0)
-            pthread_cond_wait(&g_pf_cond, &g_pf_lock);
-        if (g_pf.state != PF_RUNNING)
-            break;
+    while (g_pf.state == PF_RUNNING && g_pf.len > 0) {
         char *path = g_pf.stack[--g_pf.len];
         if (within_budget()) {
             pthread_mutex_unlock(&g_pf_lock);
@@ -196,11 +211,13 @@ static void push_children(const char *path, const char *buf, long got)
 }
 
 /* The kernel keeps a directory's listing (no OPENDIR: FOPEN_CACHE_DIR) until
- * an invalidation.  Only its entries were wanted: the listing itself is
- * dropped, so a caller's first listing reads the base then, as it would
- * have without prefetch (a name added to a live base since shows). */
+ * an invalidation.  A watched directory's is kept (bridge_watch.c drops it
+ * when the base's names change); any other's is dropped, so a caller's first
+ * listing reads the base then, as it would have without prefetch. */
 static void forget_listing(uint64_t node)
 {
+    if (watch_gen(node) != 0)
+        return;
     pthread_mutex_lock(&g_pf_session_lock);
     if (g_pf.state == PF_RUNNING && g_bridge.se != NULL)
         fuse_lowlevel_notify_inval_inode(g_bridge.se, (fuse_ino_t)node, 0, 0);
@@ -279,18 +296,10 @@ static int child_list_one(const char *mountpoint, size_t mlen, char *buf)
         uint32_t n = got > 0 ? (uint32_t)got : 0;
         if (full_write(1, &n, sizeof n) != 0 || full_write(1, buf, n) != 0)
             return -1;
-        /* The bridge fills a READDIRPLUS reply as far as it holds (at least
-         * PREFETCH_FULL_REPLY entries of any name length): a reply with fewer
-         * was the directory's last, so the empty one after it is not asked
-         * for (a shorter reply from the shard only ends this listing early). */
-        if (n == 0 || entries_in(buf, got) < PREFETCH_FULL_REPLY) {
-            if (n != 0) {
-                uint32_t end = 0;
-                if (full_write(1, &end, sizeof end) != 0)
-                    return -1;
-            }
+        /* The kernel holds a listing as complete, and answers later ones from
+         * it, only once a READDIRPLUS came back empty: read to the end. */
+        if (n == 0)
             break;
-        }
     }
     close(fd);
     return 0;
@@ -349,8 +358,8 @@ static void child_main(int cmd, int res, const char *mountpoint, char *buf)
     _exit(0);
 }
 
-/* Start the reader process: 0, or -1 (no prefetch). */
-static int start_reader(void)
+/* Start reader `r`: 0, or -1. */
+static int start_reader(struct reader *r)
 {
     int cmd[2], res[2];
     if (pipe2(cmd, O_CLOEXEC) != 0)
@@ -360,7 +369,7 @@ static int start_reader(void)
         close(cmd[1]);
         return -1;
     }
-    static char child_buf[PREFETCH_BUF]; /* the child's copy of this page range */
+    static char child_buf[PREFETCH_BUF]; /* each child's own copy of this page range */
     pid_t pid = fork();
     if (pid == 0)
         child_main(cmd[0], res[1], g_pf.mountpoint, child_buf);
@@ -371,44 +380,86 @@ static int start_reader(void)
         close(res[0]);
         return -1;
     }
-    g_pf.reader = pid;
-    g_pf.to_reader = cmd[1];
-    g_pf.from_reader = res[0];
+    memset(r, 0, sizeof *r);
+    r->pid = pid;
+    r->to = cmd[1];
+    r->from = res[0];
     return 0;
 }
 
-/* One directory through the reader: its node id when listed (entries counted,
- * the walk's subdirectories pushed), 0 when skipped, -1 when the reader is
- * gone.  The root is listed once, whoever answers it (its READDIRPLUS teaches
- * bridge_meta.c which of its directories are clean); any other directory only
- * if the bridge answers it and nobody listed it yet (claimed by its base
- * inode before the reader is asked, so each listing is one exchange). */
-static int64_t list_through_mount(const char *path)
+/* Under g_pf_lock: end every reader (its thread then reads EOF). */
+static void kill_readers_locked(void)
+{
+    for (unsigned i = 0; i < g_pf.nreaders; i++)
+        kill(g_pf.readers[i].pid, SIGKILL);
+}
+
+/* Close, end and reap every reader (the prefetch thread, or a failed start). */
+static void reap_readers(void)
+{
+    pthread_mutex_lock(&g_pf_lock);
+    unsigned n = g_pf.nreaders;
+    pthread_mutex_unlock(&g_pf_lock);
+    for (unsigned i = 0; i < n; i++) {
+        struct reader *r = &g_pf.readers[i];
+        close(r->to); /* a reader ends at EOF, if it has not already */
+        close(r->from);
+        kill(r->pid, SIGKILL);
+        waitpid(r->pid, NULL, 0);
+        free(r->path);
+        r->path = NULL;
+    }
+}
+
+/* Give reader `r` the next directory to list: 1 when it lists one, 0 when
+ * none is left, -1 when the reader is gone.  The root is listed once,
+ * whoever answers it (its READDIRPLUS teaches bridge_meta.c which of its
+ * directories are clean); any other directory only if the bridge answers it
+ * and nobody listed it yet (claimed by its base inode before the reader is
+ * asked, so each listing is one exchange). */
+static int assign(struct reader *r)
 {
     static int root_listed; /* one thread */
-    static char buf[PREFETCH_BUF];
-    uint64_t node = *path ? meta_claim_listing(path) : root_listed ? 0 : 1;
-    if (node == 0)
-        return 0;
-    root_listed = 1;
-    uint32_t len = (uint32_t)strlen(path);
-    if (full_write(g_pf.to_reader, &len, sizeof len) != 0 ||
-        full_write(g_pf.to_reader, path, len) != 0)
-        return -1;
-    for (;;) {
-        uint32_t n;
-        if (full_read(g_pf.from_reader, &n, sizeof n) != 0 || n > sizeof buf ||
-            full_read(g_pf.from_reader, buf, n) != 0)
+    for (char *path; (path = pop_now()) != NULL;) {
+        uint64_t node = *path ? meta_claim_listing(path) : root_listed ? 0 : 1;
+        if (node == 0) {
+            free(path);
+            continue;
+        }
+        root_listed = 1;
+        uint32_t len = (uint32_t)strlen(path);
+        r->path = path;
+        r->node = node;
+        if (full_write(r->to, &len, sizeof len) != 0 || full_write(r->to, path, len) != 0)
             return -1;
-        if (n == 0)
-            break;
+        return 1;
+    }
+    return 0;
+}
+
+/* One answer of reader `r`: a getdents64 buffer (its subdirectories pushed,
+ * its entries counted), or the end of its directory.  0, or -1 when the
+ * reader is gone. */
+static int take_answer(struct reader *r)
+{
+    static char buf[PREFETCH_BUF];
+    uint32_t n;
+    if (full_read(r->from, &n, sizeof n) != 0 || n > sizeof buf || full_read(r->from, buf, n) != 0)
+        return -1;
+    if (n > 0) {
         long entries = entries_in(buf, n);
         pthread_mutex_lock(&g_pf_lock);
         g_pf.listed += entries;
         pthread_mutex_unlock(&g_pf_lock);
-        push_children(path, buf, n);
+        push_children(r->path, buf, n);
+        return 0;
     }
-    return (int64_t)node;
+    forget_listing(r->node);
+    bridge_count(BRIDGE_STAT_PREFETCHES);
+    free(r->path);
+    r->path = NULL;
+    r->node = 0;
+    return 0;
 }
 
 static void *prefetch_thread(void *unused)
@@ -417,21 +468,40 @@ static void *prefetch_thread(void *unused)
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL); /* the loop threads take the signals */
-    for (char *path; (path = pop()) != NULL;) {
-        int64_t node = list_through_mount(path);
-        free(path);
-        if (node < 0)
-            break; /* the reader is gone: no more prefetch */
-        if (node > 0) {
-            forget_listing((uint64_t)node);
-            bridge_count(BRIDGE_STAT_PREFETCHES);
+    unsigned n = g_pf.nreaders; /* fixed once the thread runs */
+    for (int gone = 0; !gone;) {
+        struct pollfd fds[PREFETCH_READERS_MAX];
+        unsigned busy = 0;
+        for (unsigned i = 0; i < n && !gone; i++) {
+            struct reader *r = &g_pf.readers[i];
+            if (r->path == NULL && assign(r) < 0)
+                gone = 1;
+            fds[i].fd = r->path != NULL ? r->from : -1; /* poll skips an idle one */
+            fds[i].events = POLLIN;
+            fds[i].revents = 0;
+            busy += r->path != NULL;
+        }
+        if (gone || busy == 0)
+            break; /* the walk is done (nothing listing, nothing left), or a reader is gone */
+        if (poll(fds, n, -1) < 0 && errno != EINTR)
+            break;
+        for (unsigned i = 0; i < n && !gone; i++) {
+            if (fds[i].fd >= 0 && (fds[i].revents & (POLLIN | POLLHUP | POLLERR)))
+                gone = take_answer(&g_pf.readers[i]) != 0;
         }
     }
-    close(g_pf.to_reader); /* the reader ends at EOF, if it has not already */
-    close(g_pf.from_reader);
-    kill(g_pf.reader, SIGKILL);
-    waitpid(g_pf.reader, NULL, 0);
+    reap_readers();
     return NULL;
+}
+
+/* Half the CPUs, at least one: the walk races the caller's first command for
+ * them.  On the 2-vCPU host measured, three readers listed git/git in about
+ * half the time of one, but made a find or git status started the instant
+ * the mount returned, and the mount itself, slower (bench/RESULTS.md). */
+static unsigned readers_wanted(void)
+{
+    long want = sysconf(_SC_NPROCESSORS_ONLN) / 2;
+    return want < 1 ? 1u : want > PREFETCH_READERS_MAX ? PREFETCH_READERS_MAX : (unsigned)want;
 }
 
 void prefetch_start(void)
@@ -441,18 +511,20 @@ void prefetch_start(void)
     if (next >= 0) {
         g_pf.state = (enum prefetch_state)next;
         push_locked(""); /* the walk begins at the root */
+        unsigned want = readers_wanted();
+        while (g_pf.nreaders < want && start_reader(&g_pf.readers[g_pf.nreaders]) == 0)
+            g_pf.nreaders++;
         pthread_t tid;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         pthread_attr_setstacksize(&attr, 256u << 10);
-        if (start_reader() != 0)
+        if (g_pf.nreaders == 0) {
             next = next_state(PF_STOP); /* no prefetch: slower, not wrong */
-        else if (pthread_create(&tid, &attr, prefetch_thread, NULL) != 0) {
-            kill(g_pf.reader, SIGKILL);
-            waitpid(g_pf.reader, NULL, 0);
-            close(g_pf.to_reader);
-            close(g_pf.from_reader);
+        } else if (pthread_create(&tid, &attr, prefetch_thread, NULL) != 0) {
+            pthread_mutex_unlock(&g_pf_lock);
+            reap_readers();
+            pthread_mutex_lock(&g_pf_lock);
             next = next_state(PF_STOP);
         }
         pthread_attr_destroy(&attr);
@@ -469,10 +541,9 @@ void prefetch_stop(void)
     pthread_mutex_lock(&g_pf_session_lock);
     pthread_mutex_lock(&g_pf_lock);
     if (g_pf.state == PF_RUNNING)
-        kill(g_pf.reader, SIGKILL); /* its thread then reads EOF, closes and reaps */
+        kill_readers_locked(); /* the thread then reads EOF, closes and reaps */
     g_pf.state = (enum prefetch_state)next_state(PF_STOP);
     drop_stack_locked();
-    pthread_cond_broadcast(&g_pf_cond);
     pthread_mutex_unlock(&g_pf_lock);
     pthread_mutex_unlock(&g_pf_session_lock);
 }

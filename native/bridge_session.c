@@ -98,6 +98,7 @@ int bridge_notify_inval_entry(uint64_t parent, const char *name, size_t namelen)
 void bridge_unmount(void)
 {
     prefetch_stop();
+    watch_stop();
     if (g_bridge.se != NULL) {
         uring_unmount();                  /* when bridge_uring.c mounted it */
         fuse_session_unmount(g_bridge.se); /* when libfuse did */

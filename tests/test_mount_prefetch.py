@@ -2,12 +2,19 @@
 its clean directories through the mount, so the kernel learns their entries from
 READDIRPLUS and a caller's lstat of each name needs no LOOKUP.
 
+The listings it read are kept (no READDIRPLUS when a caller lists a walked
+directory), and follow the live base: the bridge watches each clean directory it
+lists (native/bridge_watch.c) and drops the kernel's listing when a name is
+created, removed or moved there; names the kernel already holds keep BaseDrift's
+rules.
+
 Real anchors and mounts (root and /dev/fuse).  What is checked is what a user can
-tell: names stated after the walk cost no LOOKUP and no shard request; a listing
-made after the walk still reads the live base (a file added there shows); the walk
-stops at its budget and lists nothing on demand;
-changes made in the mount while the walk runs end exactly as on tmpfs; and an
-unmount in the middle of a walk is clean.
+tell: names stated and directories listed after the walk cost no LOOKUP, no
+READDIRPLUS and no shard request; names added, removed and renamed in the base
+after the walk show in listings, however often the directory was listed before;
+the walk stops at its budget and lists nothing on demand; changes made in the
+mount while the walk runs end exactly as on tmpfs; and an unmount in the middle of
+a walk is clean.
 """
 
 from __future__ import annotations
@@ -105,15 +112,24 @@ def test_names_stated_after_the_walk_need_no_lookup_and_no_shard(
                     b.st_ino,
                     b.st_mtime_ns,
                 )
+            for where in sorted({str(Path(rel).parent) for rel in names}):  # as find does
+                assert sorted(os.listdir(mnt / where)) == sorted(os.listdir(base / where))
             now = counters(service.runtime, vid)
             assert now.get("LOOKUP", 0) == seen.get("LOOKUP", 0), (seen, now)
+            assert now.get("READDIRPLUS", 0) == seen.get("READDIRPLUS", 0), (seen, now)
             assert now["round_trips"] == seen["round_trips"]
             # The walk's entries are the bridge's: the shard bound none of them.
             assert client.counters(vid)["metadata_bytes"] == before["metadata_bytes"]
             assert (mnt / names[7]).read_bytes() == (base / names[7]).read_bytes()
 
 
-def test_a_listing_after_the_walk_reads_the_live_base(
+def listed_as_base(mnt: Path, base: Path, where: Path | str) -> Callable[[], bool]:
+    """Whether the mount lists `where` as the base does: the bridge's watch drops a
+    kept listing as soon as inotify tells it (asynchronously: waited for)."""
+    return lambda: sorted(os.listdir(mnt / where)) == sorted(os.listdir(base / where))
+
+
+def test_kept_listings_follow_the_live_base(
     service: Service, tree: tuple[Path, list[str]], tmp_path: Path
 ) -> None:
     base, names = tree
@@ -121,14 +137,35 @@ def test_a_listing_after_the_walk_reads_the_live_base(
         vid = client.create_volume("relist", base=base)["id"]
         with mounted(client, vid, tmp_path / "mnt") as mnt:
             settled(service.runtime, vid)
-            where = Path(names[0]).parent
+            where, other = Path(names[0]).parent, Path(names[-1]).parent
+            for _ in range(2):  # kept: listed again from the kernel's copy
+                assert listed_as_base(mnt, base, where)()
             (base / where / "added.c").write_bytes(b"new\n")  # after the walk listed it
             (base / "added-top").mkdir()
-            assert "added.c" in os.listdir(mnt / where)
+            wait_for(listed_as_base(mnt, base, where), 10)
             assert (mnt / where / "added.c").read_bytes() == b"new\n"
-            assert "added-top" in os.listdir(mnt)
-            # A second listing is the kernel's cached one, as before prefetch.
-            assert sorted(os.listdir(mnt / where)) == sorted(os.listdir(base / where))
+            wait_for(listed_as_base(mnt, base, ""), 10)
+            assert (mnt / "added-top").is_dir()
+            # Removed and replaced in the base: the listing follows at once (what the
+            # kernel already holds of those names keeps BaseDrift's rules, as before:
+            # tests/test_mount_clean_reads.py).
+            gone, replaced = base / names[-1], base / names[-2]
+            gone.unlink()
+            replaced.with_name("new.c").write_bytes(b"replacement\n")
+            os.rename(replaced.with_name("new.c"), replaced)
+            wait_for(listed_as_base(mnt, base, other), 10)
+            # A directory added after the walk is watched once listed: a directory
+            # made and removed in it shows in its listing and goes.
+            assert os.listdir(mnt / "added-top") == []
+            (base / "added-top" / "inner").mkdir()
+            wait_for(listed_as_base(mnt, base, "added-top"), 10)
+            assert (mnt / "added-top" / "inner").is_dir()
+            (base / "added-top" / "inner").rmdir()
+            wait_for(listed_as_base(mnt, base, "added-top"), 10)
+            (base / "added-top").rename(base / "renamed-top")
+            wait_for(listed_as_base(mnt, base, ""), 10)
+            assert (mnt / "renamed-top").is_dir()
+            assert counters(service.runtime, vid).get("watch_invals", 0) >= 6
 
 
 def test_the_walk_stops_at_its_budget_and_lists_nothing_on_demand(

@@ -227,3 +227,24 @@ def test_asking_without_the_kernels_consent_serves_over_dev_fuse(
                     assert seen["uring_requests"] == 0
         finally:
             service.stop()
+
+
+def test_a_host_that_offers_io_uring_gets_it_unasked(project: Path, tmp_path: Path) -> None:
+    """SLATES_FUSE_URING unset: the rings when the host's enable_uring is Y; "0"
+    refuses them; with enable_uring N, unset is /dev/fuse."""
+    cases = (("Y", "", True), ("Y", "0", False), ("N", "", False))
+    for n, (enabled, asked, rings) in enumerate(cases):
+        with uring_enabled(enabled):
+            service = start_service(tmp_path / f"run{n}", env={URING_ENV: asked})
+            try:
+                with Client(service.runtime) as client:
+                    volume = client.create_volume(f"auto{n}", base=project)["id"]
+                    with mounted(client, volume, tmp_path / f"mnt{n}") as mnt:
+                        assert sorted(os.listdir(mnt)) == ["README", "image.conf", "src"]
+                        (mnt / "made.txt").write_text("x\n")
+                        assert (mnt / "made.txt").read_text() == "x\n"
+                        assert (mnt / "src" / "decoder.c").read_bytes().startswith(b"int")
+                        seen = counters(service, volume)
+                        assert (seen["uring_requests"] > 0) == rings, (enabled, asked, seen)
+            finally:
+                service.stop()
