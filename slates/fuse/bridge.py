@@ -50,10 +50,13 @@ side, while requests to the shard still go one at a time, because the ring
 link keeps one request in flight and the shard applies a volume's requests
 in order.
 Directory prefetch (native/bridge_prefetch.c): once the mount serves, a C
-thread has a child process list the clean directories through the mount (a
+thread has child processes list the clean directories through the mount (a
 walk from the root, up to 8,192 entries), so the kernel learns their entries
-from READDIRPLUS instead of a LOOKUP per name;
-$SLATES_BRIDGE_PREFETCH=0 turns it off (prefetch_wanted()).
+from READDIRPLUS instead of a LOOKUP per name, and keeps their listings;
+$SLATES_BRIDGE_PREFETCH=0 turns it off (prefetch_wanted()).  Every clean
+directory the bridge lists is watched with inotify (native/bridge_watch.c):
+a name created, removed or moved in the base drops the kernel's listing, so
+kept listings follow the live base ("watch_invals" counts them).
 FUSE-over-io_uring (issue 14): when the bridge runs as root and
 /sys/module/fuse/parameters/enable_uring is Y (and no --auto-unmount), unless
 $SLATES_FUSE_URING=0 (uring_wanted()), C mounts with mount(2) itself and, once INIT is answered,
