@@ -560,6 +560,7 @@ class Runner:
         results: Results,
         rounds: int,
         log: Callable[[str], None],
+        settle: float = 0.0,
     ) -> None:
         self.p, self.tree, self.results, self.rounds, self.log = (
             provider,
@@ -568,6 +569,7 @@ class Runner:
             rounds,
             log,
         )
+        self.settle = settle  # seconds between the mount and a first-touch workload
         self.ws = str(provider.path)
         self.paths = [os.path.join(self.ws, rel) for rel in tree.tracked]
         big = os.path.join(self.ws, tree.big)
@@ -684,6 +686,7 @@ class Runner:
                 before = self.requests()
                 creates.append(timed(p.create))
                 create_requests += self.requests() - before
+                time.sleep(self.settle)  # an agent's first command, a moment later
                 pids = p.server_pids()
                 cpu_before = {label: cpu_seconds(pid) for label, pid in pids.items()}
                 before = self.requests()
@@ -815,6 +818,7 @@ def run_workspaces(
     log: Callable[[str], None],
     only: tuple[str, ...] = PROVIDERS,
     suites: tuple[str, ...] = SUITES,
+    settle: float = 0.0,
 ) -> Results:
     results = Results()
     for suite in SUITES:
@@ -825,7 +829,7 @@ def run_workspaces(
                 continue
             with cleanup.scope() as scope:
                 provider = cls(top, tree, env, scope)
-                runner = Runner(provider, tree, results, rounds, log)
+                runner = Runner(provider, tree, results, rounds, log, settle)
                 if suite == "first-touch":
                     runner.first_touch()
                 else:
@@ -883,6 +887,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--only", default=",".join(PROVIDERS))
     parser.add_argument("--suite", default=",".join(SUITES), help="first-touch, full, or both")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds between a fresh workspace's mount and its first-touch workload "
+        "(default 0: the instant the mount returns)",
+    )
     args = parser.parse_args()
     suites = tuple(args.suite.split(","))
     if not set(suites) <= set(SUITES):
@@ -897,8 +908,18 @@ def main() -> None:
         env = git_env(top)
         tree = make_tree(top, args.files, args.seed, env, args.tree)
         print(f"tree: {len(tree.tracked):,} tracked files, {tree.size_bytes / MiB:.1f} MiB")
+        if args.settle:
+            print(f"first touch {args.settle:g} s after each mount returns")
         results = run_workspaces(
-            top, tree, env, args.rounds, cleanup, print, tuple(args.only.split(",")), suites
+            top,
+            tree,
+            env,
+            args.rounds,
+            cleanup,
+            print,
+            tuple(args.only.split(",")),
+            suites,
+            args.settle,
         )
     finally:
         cleanup.close()
