@@ -176,13 +176,13 @@ int bridge_run(int ready_fd)
             break;
         inited = served > 0 && opcode == BRIDGE_OP_INIT;
     }
-    if (!loop_over())
-        uring_start(); /* io_uring mode only: rings serve once every queue registers */
-    signal_ready(&ready_fd);
     if (!loop_over()) {
-        watch_start(); /* before the walk lists anything it keeps */
-        prefetch_start();
+        watch_start(); /* before any listing: every one of a clean directory is watched */
+        uring_start(); /* io_uring mode only: rings serve once every queue registers */
     }
+    signal_ready(&ready_fd);
+    if (!loop_over())
+        prefetch_start();
     pthread_t ids[BRIDGE_MAX_LOOP_THREADS];
     unsigned started = 0;
     while (!loop_over() && started + 1 < g_threads) {
