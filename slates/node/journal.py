@@ -232,11 +232,7 @@ class Journal:
             return
         parts = [payload] if isinstance(payload, bytes) else payload
         length = sum(len(p.data if isinstance(p, Checksummed) else p) for p in parts)
-        committed = self.committed
-        need = _FRAME.size + length
-        if need > self.room:
-            raise CapacityExhausted("the journal segment is full", needed=need, room=self.room)
-        at = _JOURNAL_START + committed
+        at = self._frame_at(length)
         mm = self.segment.map
         crc = 0
         cursor = run = at + _FRAME.size  # `run`: where the bytes not yet checksummed start
@@ -257,17 +253,20 @@ class Journal:
         """`append` of one bytes payload: copied into place, its CRC computed from the
         frame's own bytes there, exactly as the general path does for a lone part."""
         length = len(payload)
-        committed = self._committed
-        need = _FRAME.size + length
-        if need > self.room:
-            raise CapacityExhausted("the journal segment is full", needed=need, room=self.room)
-        at = _JOURNAL_START + committed
+        at = self._frame_at(length)
         mm = self.segment.map
         start = at + _FRAME.size
         cursor = start + length
         mm[start:cursor] = payload
         crc = crc32(memoryview(mm)[start:cursor]) if length else 0
         self._seal_frame(at, length, crc, cursor)
+
+    def _frame_at(self, length: int) -> int:
+        """Where the next frame of `length` payload bytes starts, if it fits."""
+        need = _FRAME.size + length
+        if need > self.room:
+            raise CapacityExhausted("the journal segment is full", needed=need, room=self.room)
+        return _JOURNAL_START + self._committed
 
     def _seal_frame(self, at: int, length: int, crc: int, cursor: int) -> None:
         """Write a frame's header, then commit it: the frame's bytes end at `cursor`."""
