@@ -52,6 +52,7 @@ from slates.node.protocol import (
 from slates.node.ring import RingPair
 from slates.node.runtime import AnchorState, Runtime, ShardInfo
 from tests.anchor_fixture import stop_process
+from tests.test_mount_prefetch import children_of
 
 VOLUME = "vol-0-1"
 
@@ -677,6 +678,15 @@ def start_bridge(
         bridge.stop()
         text = (runtime.parent / f"{mountpoint.name}.bridge.log").read_text()
         raise AssertionError(f"the bridge did not come up: {text}")
+    # Once the mount serves, the prefetch walk (native/bridge_prefetch.c) lists the
+    # root through this fake shard; a test that holds the shard's next request must not
+    # catch the walk's instead, so the walk ends first (its reader process with it).
+    deadline = time.monotonic() + 30
+    while bridge.counts().get("prefetches", 0) < 1 or children_of(process.pid):
+        if time.monotonic() > deadline:
+            bridge.stop()
+            raise AssertionError("the bridge's prefetch walk did not end")
+        time.sleep(0.01)
     return bridge
 
 

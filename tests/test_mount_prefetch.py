@@ -265,7 +265,8 @@ def test_an_unmount_in_the_middle_of_a_walk_is_clean(service: Service, tmp_path:
         assert str(tmp_path) not in leftover
 
 
-def _children_of(pid: int) -> list[int]:
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a bridge's: its prefetch readers)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -291,8 +292,8 @@ def test_a_bridge_killed_in_the_middle_of_a_walk_exits(service: Service, tmp_pat
         where.mkdir()
         pid = int(client.mount(vid, where)["pid"])
         try:
-            wait_for(lambda: _children_of(pid) != [])  # the reader, walking
-            readers = _children_of(pid)
+            wait_for(lambda: children_of(pid) != [])  # the reader, walking
+            readers = children_of(pid)
             os.kill(pid, signal.SIGKILL)
             wait_for(lambda: not Path(f"/proc/{pid}").exists() or exited_unreaped(pid), 20)
             wait_for(lambda: not any(Path(f"/proc/{r}").exists() for r in readers), 20)
