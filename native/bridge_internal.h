@@ -354,6 +354,17 @@ BRIDGE_INTERNAL void prefetch_start(void);
 /* No more listings (the bridge stops); idempotent, never waits for the thread. */
 BRIDGE_INTERNAL void prefetch_stop(void);
 
+/* -- bridge_session.c (the INIT reply) ----------------------------------------- */
+
+struct iovec;
+struct fuse_init_out;
+/* A request read from the kernel: the flags an INIT offered (remembered for
+ * its reply), else 0. */
+BRIDGE_INTERNAL uint64_t init_seen(const void *buf, ssize_t n);
+/* When the reply in iov is INIT's: *out is it, with the flags libfuse leaves
+ * out added (FUSE_PARALLEL_DIROPS), and 1; else 0. */
+BRIDGE_INTERNAL int init_patch(const struct iovec *iov, int count, struct fuse_init_out *out);
+
 /* -- bridge_watch.c ----------------------------------------------------------- */
 
 /* After INIT is answered: start the watch thread (inotify on clean base dirs). */

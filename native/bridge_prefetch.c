@@ -29,10 +29,11 @@
  * listed; an agent's first command in a fresh workspace is nearly always one
  * that walks it (git status, grep -r, find, a build).  Nothing is listed on demand past that budget: on a
  * 100,000-file tree, listing each directory git's preload threads entered
- * raced their lookups of the same names (the kernel serializes a listing's
- * entries against lookups in flight) and made git status 1.7x slower
+ * raced their lookups of the same names and made git status 1.7x slower
  * (bench/RESULTS.md), so a larger tree's other directories cost their
- * LOOKUPs as before.
+ * LOOKUPs as before.  (That was measured while libfuse left
+ * FUSE_PARALLEL_DIROPS out of INIT, so the directory's lock serialized the
+ * listing and the lookups: bridge_session.c; not measured again since.)
  * A directory is listed only if bridge_meta.c knows it as clean (its every
  * name is its base entry, so the bridge answers its READDIRPLUS without the
  * shard) and it was not listed before (meta_claim_listing, by its base inode).

@@ -9,6 +9,16 @@
  * or an external unmount ends it.  With bridge_set_uring, uring_mount
  * (bridge_uring.c) mounts instead, with its own transport, when allowed.
  *
+ * The INIT reply: libfuse 3.14 never puts FUSE_PARALLEL_DIROPS in it, whatever
+ * conn->want says (its reply here lacked it while want had it), so the kernel
+ * took each directory's lock around every LOOKUP and READDIRPLUS in it: git's
+ * preload threads' lookups in one directory went one at a time, each behind
+ * the last one's answer and its caller's wake-up, and every lookup in a
+ * directory waited for the prefetch walk's listing of it.  So the session's
+ * transport is libfuse's own read and writev over the same fd, but for the
+ * INIT reply, which gains FUSE_PARALLEL_DIROPS when the kernel offered it
+ * (init_seen, init_patch; bridge_uring.c's transport uses the same two).
+ *
  * bridge_notify_inval_* run on the Python watcher thread while the loop
  * runs (libfuse's notify calls are safe from another thread): the shard
  * tells the bridge what another client changed, and the kernel forgets its
@@ -20,7 +30,9 @@
 #include "bridge_internal.h"
 
 #include <errno.h>
+#include <linux/fuse.h>
 #include <stdio.h>
+#include <sys/uio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -32,6 +44,65 @@ int bridge_set_cache_timeout(double seconds)
     g_bridge.cache_timeout = seconds;
     return 0;
 }
+
+static struct {
+    uint64_t unique;  /* the INIT request's, until its reply is written */
+    uint64_t offered; /* the flags (and flags2 << 32) it offered */
+} g_init;
+
+uint64_t init_seen(const void *buf, ssize_t n)
+{
+    if (n < (ssize_t)(sizeof(struct fuse_in_header) + sizeof(struct fuse_init_in)))
+        return 0;
+    const struct fuse_in_header *ih = buf;
+    if (ih->opcode != FUSE_INIT)
+        return 0;
+    const struct fuse_init_in *in = (const void *)(ih + 1);
+    uint64_t offered = in->flags;
+    if (in->flags & FUSE_INIT_EXT)
+        offered |= (uint64_t)in->flags2 << 32;
+    g_init.unique = ih->unique;
+    g_init.offered = offered;
+    return offered;
+}
+
+int init_patch(const struct iovec *iov, int count, struct fuse_init_out *out)
+{
+    const struct fuse_out_header *oh = iov[0].iov_base;
+    if (g_init.unique == 0 || oh->unique != g_init.unique || oh->error != 0)
+        return 0;
+    g_init.unique = 0;
+    if (count != 2 || iov[1].iov_len < offsetof(struct fuse_init_out, flags2) + 4 ||
+        iov[1].iov_len > sizeof *out) {
+        fprintf(stderr, "slates-bridge: unexpected INIT reply layout\n");
+        return 0;
+    }
+    memcpy(out, iov[1].iov_base, iov[1].iov_len);
+    out->flags |= (uint32_t)(g_init.offered & FUSE_PARALLEL_DIROPS);
+    return 1;
+}
+
+static ssize_t plain_read(int fd, void *buf, size_t len, void *userdata)
+{
+    (void)userdata;
+    ssize_t n = read(fd, buf, len);
+    (void)init_seen(buf, n);
+    return n;
+}
+
+static ssize_t plain_writev(int fd, struct iovec *iov, int count, void *userdata)
+{
+    (void)userdata;
+    struct fuse_init_out out;
+    if (count >= 1 && iov[0].iov_len >= sizeof(struct fuse_out_header) &&
+        init_patch(iov, count, &out)) {
+        struct iovec patched[2] = {iov[0], {&out, iov[1].iov_len}};
+        return writev(fd, patched, 2);
+    }
+    return writev(fd, iov, count);
+}
+
+static const struct fuse_custom_io PLAIN_IO = {.read = plain_read, .writev = plain_writev};
 
 int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback)
 {
@@ -63,6 +134,11 @@ int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int 
         return rc;
     }
     if (rc > 0 && fuse_session_mount(se, mountpoint) != 0) {
+        fuse_session_destroy(se);
+        return -EIO;
+    }
+    if (rc > 0 && fuse_session_custom_io(se, &PLAIN_IO, fuse_session_fd(se)) != 0) {
+        fuse_session_unmount(se);
         fuse_session_destroy(se);
         return -EIO;
     }

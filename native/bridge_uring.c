@@ -119,7 +119,6 @@ static struct {
     int mounted;      /* uring_mount mounted: the custom transport is in use */
     int offered;      /* the kernel's INIT offered FUSE_OVER_IO_URING */
     int init_flagged; /* our INIT reply carried it */
-    uint64_t init_unique;
     int fd;
     char mountpoint[4096];
     int nqueues;
@@ -171,35 +170,23 @@ static ssize_t uring_read(int fd, void *buf, size_t len, void *userdata)
 {
     (void)userdata;
     ssize_t n = read(fd, buf, len);
-    if (n >= (ssize_t)(sizeof(struct fuse_in_header) + sizeof(struct fuse_init_in))) {
-        const struct fuse_in_header *ih = buf;
-        if (ih->opcode == FUSE_INIT) {
-            const struct fuse_init_in *in = (const void *)(ih + 1);
-            uint64_t offered = in->flags;
-            if (in->flags & FUSE_INIT_EXT)
-                offered |= (uint64_t)in->flags2 << 32;
-            g_uring.offered = (offered & URING_INIT_FLAG) != 0;
-            g_uring.init_unique = ih->unique;
-        }
-    }
+    uint64_t offered = init_seen(buf, n);
+    if (offered != 0)
+        g_uring.offered = (offered & URING_INIT_FLAG) != 0;
     return n;
 }
 
-/* The INIT reply with FUSE_INIT_EXT and FUSE_OVER_IO_URING added. */
-static ssize_t write_init_reply(int fd, struct iovec *iov, int count)
+/* The INIT reply `out` (init_patch's), with FUSE_INIT_EXT and
+ * FUSE_OVER_IO_URING added when the kernel offered the rings. */
+static ssize_t write_init_reply(int fd, struct iovec *iov, struct fuse_init_out *out)
 {
-    struct fuse_init_out out;
-    if (count != 2 || iov[1].iov_len < offsetof(struct fuse_init_out, flags2) + 4 ||
-        iov[1].iov_len > sizeof out) {
-        fprintf(stderr, "slates-bridge: io_uring: unexpected INIT reply layout\n");
-        return writev(fd, iov, count);
+    if (g_uring.offered) {
+        out->flags |= FUSE_INIT_EXT;
+        out->flags2 |= (uint32_t)(URING_INIT_FLAG >> 32);
     }
-    memcpy(&out, iov[1].iov_base, iov[1].iov_len);
-    out.flags |= FUSE_INIT_EXT;
-    out.flags2 |= (uint32_t)(URING_INIT_FLAG >> 32);
-    struct iovec patched[2] = {iov[0], {&out, iov[1].iov_len}};
+    struct iovec patched[2] = {iov[0], {out, iov[1].iov_len}};
     ssize_t w = writev(fd, patched, 2);
-    if (w >= 0)
+    if (w >= 0 && g_uring.offered)
         g_uring.init_flagged = 1;
     return w;
 }
@@ -230,10 +217,9 @@ static ssize_t uring_writev(int fd, struct iovec *iov, int count, void *userdata
         t_replied = 1;
         return (ssize_t)(sizeof copy + payload);
     }
-    if (oh->unique != 0 && oh->unique == g_uring.init_unique && g_uring.offered && !oh->error) {
-        g_uring.init_unique = 0;
-        return write_init_reply(fd, iov, count);
-    }
+    struct fuse_init_out out;
+    if (init_patch(iov, count, &out))
+        return write_init_reply(fd, iov, &out);
     return writev(fd, iov, count);
 }
 

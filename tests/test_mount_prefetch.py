@@ -302,3 +302,41 @@ def test_a_bridge_killed_in_the_middle_of_a_walk_exits(service: Service, tmp_pat
                 client.unmount(where)
             if is_mounted(str(where)):
                 subprocess.run(["fusermount3", "-u", "-z", str(where)], check=False)
+
+
+def test_lookups_in_one_directory_are_not_serialized(
+    service: Service, tree: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    """libfuse 3.14 leaves FUSE_PARALLEL_DIROPS out of its INIT reply; the bridge's
+    transport adds it (native/bridge_session.c), so the kernel takes no directory lock
+    around a LOOKUP: with the bridge stopped, three lookups of names in one directory
+    all wait for their own answer, none for the directory's lock."""
+    base, names = tree
+    where = Path(names[0]).parent
+    with Client(service.runtime) as client:
+        vid = client.create_volume("parallel", base=base)["id"]
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            settled(service.runtime, vid)
+            pid = next(m["pid"] for m in client.mounts() if m["volume"] == vid)
+            os.kill(pid, signal.SIGSTOP)
+            lookups = [
+                subprocess.Popen(
+                    ["stat", str(mnt / where / f"absent{i}")], stderr=subprocess.DEVNULL
+                )
+                for i in range(3)
+            ]
+            try:
+
+                def waits() -> list[str]:
+                    return [Path(f"/proc/{p.pid}/wchan").read_text() for p in lookups]
+
+                wait_for(
+                    lambda: all(w in ("request_wait_answer", "fuse_lock_inode") for w in waits()),
+                    10,
+                )
+                time.sleep(0.2)  # a serialized lookup would be on the lock by now
+                assert waits() == ["request_wait_answer"] * 3
+            finally:
+                os.kill(pid, signal.SIGCONT)
+                for p in lookups:
+                    p.wait(timeout=30)
