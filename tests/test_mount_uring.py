@@ -229,10 +229,10 @@ def test_asking_without_the_kernels_consent_serves_over_dev_fuse(
             service.stop()
 
 
-def test_a_host_that_offers_io_uring_gets_it_unasked(project: Path, tmp_path: Path) -> None:
-    """SLATES_FUSE_URING unset: the rings when the host's enable_uring is Y; "0"
-    refuses them; with enable_uring N, unset is /dev/fuse."""
-    cases = (("Y", "", True), ("Y", "0", False), ("N", "", False))
+def test_the_rings_are_used_only_when_asked(project: Path, tmp_path: Path) -> None:
+    """Even where the host offers them (enable_uring Y), SLATES_FUSE_URING unset or
+    "0" serves over /dev/fuse; "1" takes the rings."""
+    cases = (("Y", "", False), ("Y", "0", False), ("Y", "1", True))
     for n, (enabled, asked, rings) in enumerate(cases):
         with uring_enabled(enabled):
             service = start_service(tmp_path / f"run{n}", env={URING_ENV: asked})

@@ -57,9 +57,9 @@ $SLATES_BRIDGE_PREFETCH=0 turns it off (prefetch_wanted()).  Every clean
 directory the bridge lists is watched with inotify (native/bridge_watch.c):
 a name created, removed or moved in the base drops the kernel's listing, so
 kept listings follow the live base ("watch_invals" counts them).
-FUSE-over-io_uring (issue 14): when the bridge runs as root and
-/sys/module/fuse/parameters/enable_uring is Y (and no --auto-unmount), unless
-$SLATES_FUSE_URING=0 (uring_wanted()), C mounts with mount(2) itself and, once INIT is answered,
+FUSE-over-io_uring (issue 14): with $SLATES_FUSE_URING=1, when the bridge
+runs as root and /sys/module/fuse/parameters/enable_uring is Y (and no
+--auto-unmount), C mounts with mount(2) itself and, once INIT is answered,
 serves the kernel on one io_uring queue per CPU, each thread pinned to its
 CPU: the kernel queues a request on its caller's CPU, so the round trip
 needs no cross-CPU wake-up (native/bridge_uring.c).  The same callbacks run
@@ -169,7 +169,6 @@ from slates.node.runtime import Runtime
 REPLY_SPIN_NS = 100_000
 THREADS_ENV = "SLATES_BRIDGE_THREADS"  # loop_threads()
 URING_ENV = "SLATES_FUSE_URING"  # uring_wanted()
-ENABLE_URING_PATH = "/sys/module/fuse/parameters/enable_uring"
 PREFETCH_ENV = "SLATES_BRIDGE_PREFETCH"  # prefetch_wanted()
 
 __all__ = [
@@ -685,7 +684,7 @@ def run_bridge(
     bridge = Bridge(Runtime(runtime_dir), volume, token=token)
     bridge.configure(spin_ns)
     bridge.use_threads(loop_threads())
-    if uring_wanted(auto_unmount=auto_unmount) and lib.bridge_set_uring(1) < 0:
+    if uring_wanted() and lib.bridge_set_uring(1) < 0:
         raise InvalidArgument("cannot ask for FUSE-over-io_uring after mounting")
     if lib.bridge_set_prefetch(int(prefetch_wanted())) < 0:
         raise InvalidArgument("cannot change directory prefetch after mounting")
@@ -734,26 +733,16 @@ def loop_threads() -> int:
         raise InvalidArgument(f"{THREADS_ENV} is a thread count", value=raw) from None
 
 
-def uring_wanted(*, auto_unmount: bool = False) -> bool:
-    """Whether to serve over FUSE-over-io_uring: $SLATES_FUSE_URING "1" asks for it
-    (C then logs why not, when it cannot: native/bridge_uring.c), "0" refuses it,
-    and unset (or "") takes it when this host offers it: root, the kernel's
-    enable_uring set by the host's administrator, and no auto-unmount.  Its round
-    trips need no cross-CPU wake-up (bench/RESULTS.md), so a host that offers it
-    gets it.
+def uring_wanted() -> bool:
+    """Whether $SLATES_FUSE_URING asks for FUSE-over-io_uring ("1"; unset, "" or "0": no).
+
+    Asking is not enough: C uses it only as root with the kernel's enable_uring
+    set, and logs why not otherwise (native/bridge_uring.c).  It is not taken
+    unasked even where the host offers it: a bridge SIGKILLed over the rings once
+    left a request of its prefetch reader waiting on the detached connection until
+    the connection was aborted by hand (bench/RESULTS.md), which /dev/fuse never does.
     """
-    raw = os.environ.get(URING_ENV, "")
-    if raw != "":
-        return _env_switch(URING_ENV, default=False)
-    return not auto_unmount and os.geteuid() == 0 and _uring_offered()
-
-
-def _uring_offered() -> bool:
-    try:
-        with open(ENABLE_URING_PATH, "rb") as f:
-            return f.read(1) == b"Y"
-    except OSError:
-        return False
+    return _env_switch(URING_ENV, default=False)
 
 
 def prefetch_wanted() -> bool:
