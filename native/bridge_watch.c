@@ -77,8 +77,8 @@ static struct {
     int inotify_fd, wake_fd;
     struct u64map by_node; /* node -> struct watched * */
     struct u64map by_wd;   /* wd + 1 -> struct watched * (a key is never 0) */
-    unsigned count;
     int rechecks; /* watched entries with recheck set */
+    struct timespec recheck_due; /* when the first of them is to be made */
 } g_watch = {.inotify_fd = -1, .wake_fd = -1};
 static pthread_mutex_t g_watch_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t g_watch_session_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -102,7 +102,7 @@ uint64_t watch_dir(uint64_t node, int dir_fd)
     struct watched *w = map_get(&g_watch.by_node, node);
     uint64_t gen = w != NULL ? w->gen : 0;
     int fd = g_watch.inotify_fd;
-    int full = g_watch.count >= WATCH_MAX;
+    int full = g_watch.by_node.len >= WATCH_MAX;
     pthread_mutex_unlock(&g_watch_lock);
     if (gen != 0 || fd < 0 || full || node == 0)
         return gen;
@@ -120,7 +120,6 @@ uint64_t watch_dir(uint64_t node, int dir_fd)
         w->gen = 1;
         if (map_put(&g_watch.by_wd, (uint64_t)wd + 1, w) == 0) {
             if (map_put(&g_watch.by_node, node, w) == 0) {
-                g_watch.count++;
                 gen = 1;
             } else {
                 map_del(&g_watch.by_wd, (uint64_t)wd + 1);
@@ -151,7 +150,14 @@ void watch_recheck(uint64_t node)
     struct watched *w = map_get(&g_watch.by_node, node);
     if (w != NULL && !w->recheck) {
         w->recheck = 1;
-        g_watch.rechecks++;
+        if (g_watch.rechecks++ == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &g_watch.recheck_due);
+            g_watch.recheck_due.tv_nsec += WATCH_RECHECK_MS * 1000000L;
+            if (g_watch.recheck_due.tv_nsec >= 1000000000L) {
+                g_watch.recheck_due.tv_sec++;
+                g_watch.recheck_due.tv_nsec -= 1000000000L;
+            }
+        }
     }
     int wake = g_watch.wake_fd;
     pthread_mutex_unlock(&g_watch_lock);
@@ -181,7 +187,6 @@ static void forget_locked(struct watched *w, int wd)
         map_del(&g_watch.by_node, w->node);
     if (w->recheck)
         g_watch.rechecks--;
-    g_watch.count--;
     free(w);
 }
 
@@ -189,10 +194,11 @@ static void forget_locked(struct watched *w, int wd)
 static uint64_t *all_nodes(size_t *n)
 {
     pthread_mutex_lock(&g_watch_lock);
-    uint64_t *nodes = malloc((g_watch.count ? g_watch.count : 1) * sizeof *nodes);
+    size_t len = g_watch.by_node.len;
+    uint64_t *nodes = malloc((len ? len : 1) * sizeof *nodes);
     size_t k = 0;
     for (size_t i = 0; nodes != NULL && i < g_watch.by_node.cap; i++) {
-        if (g_watch.by_node.keys[i] != 0 && k < g_watch.count)
+        if (g_watch.by_node.keys[i] != 0 && k < len)
             nodes[k++] = g_watch.by_node.keys[i];
     }
     pthread_mutex_unlock(&g_watch_lock);
@@ -200,21 +206,34 @@ static uint64_t *all_nodes(size_t *n)
     return nodes;
 }
 
+/* Invalidate every watched directory, or (only_rechecks) those a racing
+ * listing refilled; each starts a new generation. */
+static void invalidate_each(int only_rechecks)
+{
+    size_t n;
+    uint64_t *nodes = all_nodes(&n);
+    for (size_t i = 0; nodes != NULL && i < n; i++) {
+        pthread_mutex_lock(&g_watch_lock);
+        struct watched *w = map_get(&g_watch.by_node, nodes[i]);
+        int go = w != NULL && (!only_rechecks || w->recheck);
+        if (go) {
+            if (w->recheck)
+                g_watch.rechecks--;
+            w->recheck = 0;
+            w->gen++;
+        }
+        pthread_mutex_unlock(&g_watch_lock);
+        if (go)
+            invalidate(nodes[i]);
+    }
+    free(nodes);
+}
+
 /* One event: the directory's listing goes. */
 static void on_event(const struct inotify_event *ev)
 {
     if (ev->mask & IN_Q_OVERFLOW) {
-        size_t n;
-        uint64_t *nodes = all_nodes(&n);
-        for (size_t i = 0; nodes != NULL && i < n; i++) {
-            pthread_mutex_lock(&g_watch_lock);
-            struct watched *w = map_get(&g_watch.by_node, nodes[i]);
-            if (w != NULL)
-                w->gen++;
-            pthread_mutex_unlock(&g_watch_lock);
-            invalidate(nodes[i]);
-        }
-        free(nodes);
+        invalidate_each(0);
         return;
     }
     pthread_mutex_lock(&g_watch_lock);
@@ -229,25 +248,17 @@ static void on_event(const struct inotify_event *ev)
         invalidate(node);
 }
 
-/* The directories a racing listing refilled: invalidated again. */
-static void run_rechecks(void)
+/* Under g_watch_lock: milliseconds until the rechecks are due (0: now), or -1
+ * when none waits. */
+static int recheck_wait_ms_locked(void)
 {
-    size_t n;
-    uint64_t *nodes = all_nodes(&n);
-    for (size_t i = 0; nodes != NULL && i < n; i++) {
-        pthread_mutex_lock(&g_watch_lock);
-        struct watched *w = map_get(&g_watch.by_node, nodes[i]);
-        int again = w != NULL && w->recheck;
-        if (again) {
-            w->recheck = 0;
-            g_watch.rechecks--;
-            w->gen++;
-        }
-        pthread_mutex_unlock(&g_watch_lock);
-        if (again)
-            invalidate(nodes[i]);
-    }
-    free(nodes);
+    if (g_watch.rechecks == 0)
+        return -1;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    int64_t left = (int64_t)(g_watch.recheck_due.tv_sec - now.tv_sec) * 1000 +
+                   (g_watch.recheck_due.tv_nsec - now.tv_nsec) / 1000000;
+    return left <= 0 ? 0 : (int)left;
 }
 
 static void clear_map(struct u64map *m)
@@ -268,18 +279,20 @@ static void *watch_thread(void *unused)
         __attribute__((aligned(__alignof__(struct inotify_event))));
     for (;;) {
         pthread_mutex_lock(&g_watch_lock);
-        int running = g_watch.state == W_RUNNING, pending = g_watch.rechecks > 0;
+        int running = g_watch.state == W_RUNNING, wait_ms = recheck_wait_ms_locked();
         struct pollfd fds[2] = {{g_watch.inotify_fd, POLLIN, 0}, {g_watch.wake_fd, POLLIN, 0}};
         pthread_mutex_unlock(&g_watch_lock);
         if (!running)
             break;
-        int ready = poll(fds, 2, pending ? WATCH_RECHECK_MS : -1);
-        if (ready < 0 && errno != EINTR)
-            break;
-        if (ready == 0) {
-            run_rechecks();
+        if (wait_ms == 0) { /* due, however busy the inotify queue keeps this thread */
+            invalidate_each(1);
             continue;
         }
+        int ready = poll(fds, 2, wait_ms);
+        if (ready < 0 && errno != EINTR)
+            break;
+        if (ready <= 0)
+            continue;
         if (fds[1].revents & POLLIN) {
             uint64_t ignored;
             (void)!read(g_watch.wake_fd, &ignored, sizeof ignored);
@@ -300,7 +313,6 @@ static void *watch_thread(void *unused)
     }
     clear_map(&g_watch.by_wd);
     clear_map(&g_watch.by_node);
-    g_watch.count = 0;
     g_watch.rechecks = 0;
     close(g_watch.inotify_fd);
     close(g_watch.wake_fd);
