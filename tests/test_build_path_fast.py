@@ -5,8 +5,9 @@ their cost was cut by fast paths that must give exactly what the general
 code gives:
 
 - `content_tally` (slates.core.volume) counts in one pass what `_referenced`,
-  `Volume._unique`, `_page_bytes` and `_buffer_ids` count in four, for any
-  extent map, size and epoch;
+  `_buffer_ids` and the volume's per-inode unique and page counts (as they were,
+  `_plain_unique` and `_plain_page_bytes` here) count in four, for any extent
+  map, size and epoch;
 - a volume reuses the tally of the inode its last record made (`_tallies`, at
   most KNOWN_TALLIES of them):
   after any sequence of writes, truncates, snapshots and unlinks its counters
@@ -22,7 +23,6 @@ code gives:
 from __future__ import annotations
 
 import os
-import types
 
 import immutables
 from hypothesis import given, settings
@@ -39,7 +39,6 @@ from slates.core.volume import (
     SymlinkBody,
     Volume,
     _buffer_ids,
-    _page_bytes,
     _referenced,
     content_tally,
 )
@@ -71,10 +70,29 @@ def _file(extents: tuple[Extent, ...], size: int) -> Inode:
     return Inode(7, Kind.FILE, 0o644, 0, 0, 1, 0, 0, 0, immutables.Map(), body)
 
 
+def _plain_unique(inode: Inode | None, epoch: int) -> int:
+    """`Volume._unique` as it was: pages, and chunks sealed in `epoch`."""
+    if inode is None or not isinstance(inode.body, FileBody):
+        return 0
+    total = 0
+    for extent in inode.body.extents:
+        if isinstance(extent, PageSpan) or (
+            isinstance(extent, ChunkSpan) and extent.epoch == epoch
+        ):
+            total += extent.length
+    return total
+
+
+def _plain_page_bytes(inode: Inode | None) -> int:
+    """`_page_bytes` as it was."""
+    if inode is None or not isinstance(inode.body, FileBody):
+        return 0
+    return sum(e.length for e in inode.body.extents if type(e) is PageSpan)
+
+
 def _plain_tally(inode: Inode | None, epoch: int) -> tuple[int, int, int, set[int]]:
-    holder = types.SimpleNamespace(root=types.SimpleNamespace(epoch=epoch))
-    unique = Volume._unique(holder, inode)  # type: ignore[arg-type]
-    return _referenced(inode), unique, _page_bytes(inode), _buffer_ids(inode)
+    unique = _plain_unique(inode, epoch)
+    return _referenced(inode), unique, _plain_page_bytes(inode), _buffer_ids(inode)
 
 
 @settings(max_examples=300, deadline=None)

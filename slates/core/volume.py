@@ -526,16 +526,6 @@ class _Txn:
         return ino
 
 
-def _page_bytes(inode: Inode | None) -> int:
-    if inode is None or not isinstance(inode.body, FileBody):
-        return 0
-    total = 0
-    for extent in inode.body.extents:
-        if type(extent) is PageSpan:
-            total += extent.length
-    return total
-
-
 def _buffer_ids(inode: Inode | None) -> set[int]:
     if inode is None or not isinstance(inode.body, FileBody):
         return set()
@@ -547,8 +537,9 @@ KNOWN_TALLIES = 64  # files whose last tally a volume keeps (a few writers at a 
 
 
 def content_tally(inode: Inode | None, epoch: int) -> ContentTally:
-    """What `_referenced`, `Volume._unique` (at `epoch`), `_page_bytes` and `_buffer_ids`
-    give for `inode`, in one pass over its extents: `Volume._commit` asks for all four of
+    """An inode's referenced bytes (as `_referenced`), its bytes unique at `epoch` (its
+    pages, and chunks sealed in `epoch`), its page bytes and its buffer ids (as
+    `_buffer_ids`), in one pass over its extents: `Volume._commit` asks for all four of
     the old and the new inode of every record."""
     if inode is None or not isinstance(inode.body, FileBody):
         return 0, 0, 0, set()
@@ -832,17 +823,6 @@ class Volume:
             raise InvalidArgument("releasing more in-flight bytes than were admitted")
         self.inflight_bytes -= nbytes
         self.host.charge(-nbytes)
-
-    def _unique(self, inode: Inode | None) -> int:
-        if inode is None or not isinstance(inode.body, FileBody):
-            return 0
-        total = 0
-        for extent in inode.body.extents:
-            if isinstance(extent, PageSpan) or (
-                isinstance(extent, ChunkSpan) and extent.epoch == self.root.epoch
-            ):
-                total += extent.length
-        return total
 
     # -- the state machine ----------------------------------------------------
 
