@@ -46,7 +46,10 @@
 #define BRIDGE_STAT_URING_REQUESTS 71 /* kernel requests that came over io_uring */
 #define BRIDGE_STAT_PREFETCHES 72 /* clean directories listed ahead (bridge_prefetch.c) */
 #define BRIDGE_STAT_WATCH_INVALS 73 /* kept listings a base change dropped (bridge_watch.c) */
-#define BRIDGE_COUNTERS 74
+#define BRIDGE_STAT_SPIN_HITS 74 /* waits a spin ended (bridge_spin.c) */
+#define BRIDGE_STAT_SPIN_PARKS 75 /* waits that parked (bridge_spin.c) */
+#define BRIDGE_STAT_READAHEADS 76 /* clean files read ahead (bridge_prefetch.c) */
+#define BRIDGE_COUNTERS 77
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
 
 /* Volume id and the ring spin budget (ns).  Call once, first. */
@@ -83,6 +86,10 @@ int bridge_set_threads(unsigned n);
 /* List a clean directory through the mount when the kernel first looks a
  * name up in it (default on; before bridge_mount): 0 or -EBUSY. */
 int bridge_set_prefetch(int on);
+/* With prefetch, also read the walked directories' small regular files
+ * through the mount once their listings are done (default on; before
+ * bridge_mount): 0 or -EBUSY. */
+int bridge_set_readahead(int on);
 
 /* Serve the kernel over FUSE-over-io_uring (bridge_uring.c) when `on` and
  * the process is root and /sys/module/fuse/parameters/enable_uring is Y
@@ -152,6 +159,11 @@ int bridge_test_attr_cache(uint64_t ino, int event);
 int bridge_test_meta_map(const uint64_t *ops, uint32_t n, uint64_t probe);
 /* Tests: the readdir cookie the bridge gives a name it lists from the base. */
 uint64_t bridge_test_cookie(const char *name, size_t len);
+/* The spin policy (bridge_spin.c) over `n` waits: wanted[i] is whether it
+ * spun before wait i (waits[i] ns; flags[i]: 1 parked, 2 preempted);
+ * returns whether it would spin next. */
+int bridge_test_spin(uint64_t budget_ns, const uint64_t *waits, const int *flags, uint32_t n,
+                     int *wanted);
 
 /* Implemented in Python (cffi extern "Python+C"): say hello again and call
  * bridge_attach.  Returns 0 or -errno. */

@@ -23,6 +23,24 @@
  * Nothing here answers the kernel or changes what any request returns: the
  * listings are an ordinary reader's.
  *
+ * Read-ahead.  A first grep -r or build then reads file after file, each a
+ * READ round trip (and its two wake-ups) in the caller's path.  So once no
+ * directory waits, the readers read the listed regular files of a clean
+ * directory through the mount too (not the root's .git: the repository's
+ * objects are git's to read when it needs them), each to its end if it is
+ * at most PREFETCH_FILE_MAX bytes, until PREFETCH_CONTENT_BYTES were read:
+ * the loop threads answer those READs from the base (bridge_clean.c), and
+ * the kernel keeps the pages.  They are an ordinary reader's too, under the
+ * kernel's page locks, so a caller's write is never overwritten by them,
+ * and a base file changed since it was listed fails its fingerprint and
+ * is not read (the shard's EIO ends that file's read).  After its last
+ * read the reader stats the open file: the kernel marks a file's atime
+ * stale after every READ it sends, and the caller's first stat would
+ * otherwise cost a GETATTR round trip.  The pages cost the host a second
+ * copy of what the base's page cache holds, reclaimable like any cache
+ * (kernel overlayfs shares one copy; fuse-overlayfs does not);
+ * $SLATES_BRIDGE_READAHEAD=0 (bridge_set_readahead) turns it off.
+ *
  * Which directories: once the mount serves, the root, then every
  * subdirectory a listing shows, depth first (a stack; the root's .git last),
  * by several readers at once, until PREFETCH_WALK_ENTRIES entries were
@@ -40,8 +58,8 @@
  *
  * Lifecycle (a table, as everywhere): IDLE --set_mountpoint--> ARMED
  * --start--> RUNNING --stop--> STOPPED, and any state --stop--> STOPPED.  A
- * directory offered in another state than RUNNING is dropped: there is no
- * one to list it.  The listings themselves are read by one child process
+ * directory or file offered in another state than RUNNING is dropped: there
+ * is no one to list or read it.  The listings themselves are read by one child process
  * per two CPUs (readers_wanted; see "the reader process" below), which
  * the prefetch thread drives over two pipes each (poll); the thread keeps
  * the stack and the budget and asks bridge_meta.c which directories to
@@ -52,11 +70,12 @@
  * live base) comes in a listing without attributes, so the kernel looks it
  * up when it needs it (bridge_meta.c, changing()).
  *
- * Bounded: PREFETCH_STACK directories wait (a full stack refuses more), at
- * most PREFETCH_READERS_MAX readers list;
+ * Bounded: PREFETCH_STACK directories and PREFETCH_FILES files wait (more
+ * are refused), at most PREFETCH_READERS_MAX readers list, and at most
+ * PREFETCH_CONTENT_BYTES (plus one file) are read ahead;
  * the entry budgets above bound what the kernel and the bridge's node table
  * hold because of prefetch.  Counted: BRIDGE_STAT_PREFETCHES (directories
- * listed).
+ * listed) and BRIDGE_STAT_READAHEADS (files read ahead).
  */
 #include "bridge_internal.h"
 
@@ -80,6 +99,10 @@
 #define PREFETCH_READERS_MAX 4
 #define PREFETCH_WALK_ENTRIES 8192
 #define PREFETCH_BUF (64u << 10) /* the kernel asks READDIRPLUS for this much */
+#define PREFETCH_FILES 8192                /* files waiting to be read ahead */
+#define PREFETCH_FILE_MAX (256u << 10)     /* a larger file is left to its readers */
+#define PREFETCH_CONTENT_BYTES (64ull << 20) /* read ahead per mount, at most */
+#define PF_READ_FILE 0x80000000u           /* a reader's job word: read this file */
 
 enum prefetch_state { PF_IDLE, PF_ARMED, PF_RUNNING, PF_STOPPED };
 
@@ -87,21 +110,25 @@ enum prefetch_state { PF_IDLE, PF_ARMED, PF_RUNNING, PF_STOPPED };
 struct reader {
     pid_t pid;
     int to, from;   /* the prefetch thread's ends of its pipes */
-    char *path;     /* the directory it lists (NULL: idle) */
-    uint64_t node;  /* its node id */
+    char *path;     /* the directory it lists or the file it reads (NULL: idle) */
+    uint64_t node;  /* the directory's node id (0: a file) */
 };
 enum prefetch_event { PF_SET_MOUNTPOINT, PF_START, PF_STOP };
 
 static struct {
     enum prefetch_state state;
     int enabled;
+    int readahead; /* read the listed files too (bridge_set_readahead) */
     char mountpoint[PATH_MAX];
     char *stack[PREFETCH_STACK]; /* mount-relative paths ("" the root), newest last */
     unsigned len;
     long listed; /* entries listed so far (the budget) */
+    char *files[PREFETCH_FILES]; /* listed regular files, in listing order */
+    unsigned nfiles, next_file;  /* files[next_file..nfiles) wait to be read */
+    uint64_t content_bytes;      /* read ahead so far (the content budget) */
     struct reader readers[PREFETCH_READERS_MAX];
     unsigned nreaders; /* started (set before the thread runs, then fixed) */
-} g_pf = {.enabled = 1};
+} g_pf = {.enabled = 1, .readahead = 1};
 static pthread_mutex_t g_pf_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Held by an invalidation from this thread and by prefetch_stop, so the
  * session is never used once the bridge stops (it is destroyed after). */
@@ -127,6 +154,16 @@ int bridge_set_prefetch(int on)
     int rc = g_pf.state == PF_IDLE ? 0 : -EBUSY;
     if (rc == 0)
         g_pf.enabled = on != 0;
+    pthread_mutex_unlock(&g_pf_lock);
+    return rc;
+}
+
+int bridge_set_readahead(int on)
+{
+    pthread_mutex_lock(&g_pf_lock);
+    int rc = g_pf.state == PF_IDLE ? 0 : -EBUSY;
+    if (rc == 0)
+        g_pf.readahead = on != 0;
     pthread_mutex_unlock(&g_pf_lock);
     return rc;
 }
@@ -169,11 +206,41 @@ static int push_locked(const char *path)
     return 0;
 }
 
-/* Under g_pf_lock: free every directory still waiting. */
+/* Under g_pf_lock: free every directory and file still waiting. */
 static void drop_stack_locked(void)
 {
     while (g_pf.len > 0)
         free(g_pf.stack[--g_pf.len]);
+    while (g_pf.nfiles > g_pf.next_file)
+        free(g_pf.files[--g_pf.nfiles]);
+}
+
+/* Under g_pf_lock: keep a listed regular file to read ahead, unless it is in
+ * the root's .git (a repository's objects are git's, read on demand), the
+ * list is full or reading ahead is off. */
+static void offer_file_locked(const char *path)
+{
+    if (!g_pf.readahead || g_pf.nfiles == PREFETCH_FILES ||
+        strncmp(path, ".git/", 5) == 0)
+        return;
+    char *copy = strdup(path);
+    if (copy != NULL)
+        g_pf.files[g_pf.nfiles++] = copy;
+}
+
+/* The next file to read ahead (the caller frees it), once no directory waits;
+ * NULL when none is left, the content budget is spent or the walk stopped. */
+static char *next_file_now(void)
+{
+    char *path = NULL;
+    pthread_mutex_lock(&g_pf_lock);
+    if (g_pf.state == PF_RUNNING && g_pf.next_file < g_pf.nfiles &&
+        g_pf.content_bytes < PREFETCH_CONTENT_BYTES) {
+        path = g_pf.files[g_pf.next_file];
+        g_pf.files[g_pf.next_file++] = NULL;
+    }
+    pthread_mutex_unlock(&g_pf_lock);
+    return path;
 }
 
 /* Pop the newest directory still within its budget (the caller frees it); NULL
@@ -194,19 +261,30 @@ static char *pop_now(void)
     return NULL;
 }
 
-/* Push the subdirectories a getdents64 buffer names (the walk goes on). */
-static void push_children(const char *path, const char *buf, long got)
+/* Push the subdirectories a getdents64 buffer names (the walk goes on), and
+ * keep its regular files to read ahead. */
+static void push_children(const char *path, uint64_t node, const char *buf, long got)
 {
+    uint64_t epoch;
+    int files_ok = meta_listable(node, &epoch); /* the root may be the shard's to list */
     pthread_mutex_lock(&g_pf_lock);
+    int full = 0;
     for (long at = 0; at < got;) {
         const struct dirent64 *d = (const struct dirent64 *)(buf + at);
         at += d->d_reclen;
-        if (d->d_type != DT_DIR || strcmp(d->d_name, ".") == 0 || strcmp(d->d_name, "..") == 0)
+        if ((d->d_type != DT_DIR && d->d_type != DT_REG) || strcmp(d->d_name, ".") == 0 ||
+            strcmp(d->d_name, "..") == 0)
             continue;
         char child[PATH_MAX];
         int n = snprintf(child, sizeof child, "%s%s%s", path, *path ? "/" : "", d->d_name);
-        if (n > 0 && (size_t)n < sizeof child && push_locked(child) != 0)
-            break; /* full, or the walk's budget is spent */
+        if (n <= 0 || (size_t)n >= sizeof child)
+            continue;
+        if (d->d_type == DT_REG) {
+            if (files_ok)
+                offer_file_locked(child);
+        }
+        else if (!full && push_locked(child) != 0)
+            full = 1; /* full, or the walk's budget is spent */
     }
     pthread_mutex_unlock(&g_pf_lock);
 }
@@ -273,18 +351,53 @@ static long entries_in(const char *buf, long got)
     return n;
 }
 
-/* One directory, in the child: 0 to go on, -1 when the parent is gone. */
+/* One file read ahead, in the child: the bytes read (0: not read).  Its READs
+ * mark its atime stale in the kernel, so a caller's next stat of it would
+ * cost a GETATTR: the fstat after the last read asks it now instead. */
+static uint32_t child_read_file(const char *full, char *buf)
+{
+    int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC;
+    int fd = open(full, flags | O_NOATIME);
+    if (fd < 0 && errno == EPERM) /* O_NOATIME needs the owner or CAP_FOWNER */
+        fd = open(full, flags);
+    if (fd < 0)
+        return 0;
+    struct stat st;
+    uint32_t total = 0;
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size <= PREFETCH_FILE_MAX) {
+        for (;;) {
+            ssize_t got = read(fd, buf, PREFETCH_BUF);
+            if (got < 0 && errno == EINTR)
+                continue;
+            if (got <= 0 || (total += (uint32_t)got) > PREFETCH_FILE_MAX)
+                break; /* the end, an error (drift: the shard said EIO), or it grew */
+        }
+        (void)fstat(fd, &st);
+    }
+    close(fd);
+    return total;
+}
+
+/* One job, in the child: a directory listed or a file read ahead.  0 to go
+ * on, -1 when the parent is gone. */
 static int child_list_one(const char *mountpoint, size_t mlen, char *buf)
 {
-    uint32_t len;
+    uint32_t word, len;
     char full[PATH_MAX];
-    if (full_read(0, &len, sizeof len) != 0 || len >= sizeof full - mlen - 1)
+    if (full_read(0, &word, sizeof word) != 0)
+        return -1;
+    len = word & ~PF_READ_FILE;
+    if (len >= sizeof full - mlen - 1)
         return -1;
     memcpy(full, mountpoint, mlen);
     full[mlen] = '/';
     if (full_read(0, full + mlen + 1, len) != 0)
         return -1;
     full[mlen + 1 + len] = '\0';
+    if (word & PF_READ_FILE) {
+        uint32_t got = child_read_file(full, buf);
+        return full_write(1, &got, sizeof got);
+    }
     int fd = open(full, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) { /* gone, renamed, or the mount is ending: nothing to list */
         uint32_t end = 0;
@@ -418,6 +531,16 @@ static void reap_readers(void)
  * directories are clean); any other directory only if the bridge answers it
  * and nobody listed it yet (claimed by its base inode before the reader is
  * asked, so each listing is one exchange). */
+static int give(struct reader *r, char *path, uint64_t node, uint32_t job)
+{
+    uint32_t len = (uint32_t)strlen(path), word = len | job;
+    r->path = path;
+    r->node = node;
+    if (full_write(r->to, &word, sizeof word) != 0 || full_write(r->to, path, len) != 0)
+        return -1;
+    return 1;
+}
+
 static int assign(struct reader *r)
 {
     static int root_listed; /* one thread */
@@ -428,14 +551,10 @@ static int assign(struct reader *r)
             continue;
         }
         root_listed = 1;
-        uint32_t len = (uint32_t)strlen(path);
-        r->path = path;
-        r->node = node;
-        if (full_write(r->to, &len, sizeof len) != 0 || full_write(r->to, path, len) != 0)
-            return -1;
-        return 1;
+        return give(r, path, node, 0);
     }
-    return 0;
+    char *file = next_file_now();
+    return file != NULL ? give(r, file, 0, PF_READ_FILE) : 0;
 }
 
 /* One answer of reader `r`: a getdents64 buffer (its subdirectories pushed,
@@ -445,6 +564,18 @@ static int take_answer(struct reader *r)
 {
     static char buf[PREFETCH_BUF];
     uint32_t n;
+    if (r->node == 0) { /* a file read ahead: the bytes it read */
+        if (full_read(r->from, &n, sizeof n) != 0)
+            return -1;
+        pthread_mutex_lock(&g_pf_lock);
+        g_pf.content_bytes += n;
+        pthread_mutex_unlock(&g_pf_lock);
+        if (n > 0)
+            bridge_count(BRIDGE_STAT_READAHEADS);
+        free(r->path);
+        r->path = NULL;
+        return 0;
+    }
     if (full_read(r->from, &n, sizeof n) != 0 || n > sizeof buf || full_read(r->from, buf, n) != 0)
         return -1;
     if (n > 0) {
@@ -452,7 +583,7 @@ static int take_answer(struct reader *r)
         pthread_mutex_lock(&g_pf_lock);
         g_pf.listed += entries;
         pthread_mutex_unlock(&g_pf_lock);
-        push_children(r->path, buf, n);
+        push_children(r->path, r->node, buf, n);
         return 0;
     }
     forget_listing(r->node);

@@ -18,6 +18,8 @@
  * transport is libfuse's own read and writev over the same fd, but for the
  * INIT reply, which gains FUSE_PARALLEL_DIROPS when the kernel offered it
  * (init_seen, init_patch; bridge_uring.c's transport uses the same two).
+ * The fd is O_NONBLOCK: a loop thread waiting for a request may spin a
+ * little first (spin_read, bridge_spin.c), then polls.
  *
  * bridge_notify_inval_* run on the Python watcher thread while the loop
  * runs (libfuse's notify calls are safe from another thread): the shard
@@ -30,6 +32,7 @@
 #include "bridge_internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <linux/fuse.h>
 #include <stdio.h>
 #include <sys/uio.h>
@@ -82,10 +85,14 @@ int init_patch(const struct iovec *iov, int count, struct fuse_init_out *out)
     return 1;
 }
 
+/* Each loop thread's wait for the kernel's next request (bridge_spin.c). */
+static __thread struct spin_policy t_request_spin;
+
 static ssize_t plain_read(int fd, void *buf, size_t len, void *userdata)
 {
     (void)userdata;
-    ssize_t n = read(fd, buf, len);
+    t_request_spin.budget_ns = g_bridge.spin_ns;
+    ssize_t n = spin_read(fd, buf, len, &t_request_spin);
     (void)init_seen(buf, n);
     return n;
 }
@@ -137,7 +144,8 @@ int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int 
         fuse_session_destroy(se);
         return -EIO;
     }
-    if (rc > 0 && fuse_session_custom_io(se, &PLAIN_IO, fuse_session_fd(se)) != 0) {
+    if (rc > 0 && (fuse_session_custom_io(se, &PLAIN_IO, fuse_session_fd(se)) != 0 ||
+                   fcntl(fuse_session_fd(se), F_SETFL, O_NONBLOCK) != 0)) {
         fuse_session_unmount(se);
         fuse_session_destroy(se);
         return -EIO;

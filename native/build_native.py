@@ -59,6 +59,7 @@ SOURCES = (
     "ring.c",
     "bridge_wire.c",
     "bridge_link.c",
+    "bridge_spin.c",
     "bridge_cache.c",
     "bridge_attr.c",
     "bridge_clean.c",
@@ -111,6 +112,9 @@ ffibuilder.cdef(
     #define BRIDGE_STAT_URING_REQUESTS ...
     #define BRIDGE_STAT_PREFETCHES ...
     #define BRIDGE_STAT_WATCH_INVALS ...
+    #define BRIDGE_STAT_SPIN_HITS ...
+    #define BRIDGE_STAT_SPIN_PARKS ...
+    #define BRIDGE_STAT_READAHEADS ...
     #define BRIDGE_RECONNECT_SECONDS ...
     #define BRIDGE_MAX_IO ...
     #define BRIDGE_LOOP_THREADS ...
@@ -126,6 +130,7 @@ ffibuilder.cdef(
     int bridge_set_base(int dir_fd);
     int bridge_set_threads(unsigned n);
     int bridge_set_prefetch(int on);
+    int bridge_set_readahead(int on);
     int bridge_set_uring(int on);
     int bridge_uring_active(void);
     int bridge_mount(const char *mountpoint, int allow_other, int auto_unmount, int writeback);
@@ -148,6 +153,8 @@ ffibuilder.cdef(
     int bridge_test_attr_cache(uint64_t ino, int event);
     int bridge_test_meta_map(const uint64_t *ops, uint32_t n, uint64_t probe);
     uint64_t bridge_test_cookie(const char *name, size_t len);
+    int bridge_test_spin(uint64_t budget_ns, const uint64_t *waits, const int *flags, uint32_t n,
+                         int *wanted);
 
     extern "Python+C" int bridge_reconnect_cb(void);
     """

@@ -10,7 +10,9 @@ rules.
 
 Real anchors and mounts (root and /dev/fuse).  What is checked is what a user can
 tell: names stated and directories listed after the walk cost no LOOKUP, no
-READDIRPLUS and no shard request; names added, removed and renamed in the base
+READDIRPLUS and no shard request; small files read ahead then cost no READ and no
+GETATTR (and a base file changed after its read-ahead reads as before, then as
+drift once its pages are dropped); names added, removed and renamed in the base
 after the walk show in listings, however often the directory was listed before;
 the walk stops at its budget and lists nothing on demand; changes made in the
 mount while the walk runs end exactly as on tmpfs; and an unmount in the middle of
@@ -20,6 +22,7 @@ a walk is clean.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import shutil
@@ -33,10 +36,10 @@ from pathlib import Path
 import pytest
 
 from slates import Client
-from slates.fuse.bridge import read_counters
+from slates.fuse.bridge import READAHEAD_ENV, read_counters
 from slates.node.anchor import is_mounted
 from slates.node.mounts import exited_unreaped
-from tests.anchor_fixture import Service, service
+from tests.anchor_fixture import Service, service, start_service
 from tests.test_mount import mounted
 
 __all__ = ["service"]
@@ -63,14 +66,16 @@ def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
 
 
 def settled(runtime: Path, volume: str) -> int:
-    """Wait until the walk has listed no new directory for a while; how many it listed."""
-    last, since = -1, time.monotonic()
+    """Wait until the walk has listed no new directory and read no file ahead for a
+    while; how many directories it listed."""
+    last, since = (-1, -1), time.monotonic()
     while time.monotonic() - since < 0.5:
-        now = counters(runtime, volume).get("prefetches", 0)
+        seen = counters(runtime, volume)
+        now = (seen.get("prefetches", 0), seen.get("readaheads", 0))
         if now != last:
             last, since = now, time.monotonic()
         time.sleep(0.02)
-    return last
+    return last[0]
 
 
 def make_tree(root: Path, dirs: int, files: int) -> list[str]:
@@ -223,10 +228,14 @@ def test_changes_made_while_the_walk_runs_end_as_on_tmpfs(service: Service, tmp_
 
 def _change(root: Path, names: list[str], step: int, rng: random.Random) -> None:
     rel = rng.choice(names)
-    kind = rng.choice(["write", "unlink", "rename-dir", "create", "mkdir"])
+    kind = rng.choice(["write", "patch", "unlink", "rename-dir", "create", "mkdir"])
     target = root / rel
     if kind == "write" and target.exists():
         target.write_bytes(rng.randbytes(rng.choice([0, 10, 5000])))
+    elif kind == "patch" and target.exists():  # in place, as the read-ahead may read it
+        with open(target, "r+b") as f:
+            f.seek(rng.choice([0, 1, 4095]))
+            f.write(rng.randbytes(rng.choice([1, 3, 4097])))
     elif kind == "unlink" and target.exists():
         target.unlink()
     elif kind == "rename-dir" and target.parent.exists():
@@ -246,6 +255,76 @@ def _tree(root: Path) -> dict[str, bytes | None]:
             path = Path(top, name)
             out[str(path.relative_to(root))] = path.read_bytes()
     return out
+
+
+def test_small_files_are_read_ahead_so_reading_and_stating_them_costs_nothing(
+    service: Service, tree: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    base, names = tree
+    (base / "big.bin").write_bytes(b"b" * (300 << 10))  # past PREFETCH_FILE_MAX
+    (base / ".git" / "objects").mkdir(parents=True)
+    (base / ".git" / "objects" / "blob").write_bytes(b"git's own\n")
+    (base / ".git" / "HEAD").write_bytes(b"ref: refs/heads/main\n")
+    time.sleep(2.1)  # settled (bridge_meta.c, changing())
+    with Client(service.runtime) as client:
+        vid = client.create_volume("ahead", base=base)["id"]
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            settled(service.runtime, vid)
+            seen = counters(service.runtime, vid)
+            assert seen["readaheads"] == len(names), seen  # not big.bin, nothing of .git
+            for rel in names:  # as grep -r does: open, fstat, read to the end
+                with open(mnt / rel, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    assert f.read() == (base / rel).read_bytes(), rel
+                assert st.st_size == (base / rel).stat().st_size
+            now = counters(service.runtime, vid)
+            for kind in ("READ", "GETATTR", "LOOKUP", "round_trips"):
+                assert now.get(kind, 0) == seen.get(kind, 0), (kind, seen, now)
+            assert (mnt / "big.bin").read_bytes() == b"b" * (300 << 10)
+            assert (mnt / ".git" / "objects" / "blob").read_bytes() == b"git's own\n"
+            assert counters(service.runtime, vid)["READ"] > now.get("READ", 0)
+
+
+def test_read_ahead_can_be_turned_off(tree: tuple[Path, list[str]], tmp_path: Path) -> None:
+    base, names = tree
+    off = start_service(tmp_path / "run", env={READAHEAD_ENV: "0"})
+    try:
+        with Client(off.runtime) as client:
+            vid = client.create_volume("not-ahead", base=base)["id"]
+            with mounted(client, vid, tmp_path / "mnt") as mnt:
+                listed = settled(off.runtime, vid)
+                assert listed == 1 + 4 + 12  # the listings still are
+                seen = counters(off.runtime, vid)
+                assert seen.get("readaheads", 0) == 0 and seen.get("READ", 0) == 0, seen
+                assert (mnt / names[0]).read_bytes() == (base / names[0]).read_bytes()
+                assert counters(off.runtime, vid)["READ"] == 1
+    finally:
+        off.stop()
+
+
+def test_a_base_file_changed_after_it_was_read_ahead_is_drift_once_its_pages_go(
+    service: Service, tree: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    base, names = tree
+    with Client(service.runtime) as client:
+        vid = client.create_volume("ahead-drift", base=base)["id"]
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            settled(service.runtime, vid)
+            rel = names[0]
+            original = (base / rel).read_bytes()
+            with open(base / rel, "r+b") as f:  # same inode, new bytes and mtime
+                f.write(b"X" * len(original))
+            # The pages read ahead are the original's, as a read before the change
+            # would have left them; once they are dropped, BaseDrift rules as before.
+            assert (mnt / rel).read_bytes() == original
+            fd = os.open(mnt / rel, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                with pytest.raises(OSError) as drift:
+                    os.read(fd, 1 << 16)
+                assert drift.value.errno == errno.EIO
+            finally:
+                os.close(fd)
 
 
 def test_an_unmount_in_the_middle_of_a_walk_is_clean(service: Service, tmp_path: Path) -> None:

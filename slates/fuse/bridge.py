@@ -53,7 +53,11 @@ Directory prefetch (native/bridge_prefetch.c): once the mount serves, a C
 thread has child processes list the clean directories through the mount (a
 walk from the root, up to 8,192 entries), so the kernel learns their entries
 from READDIRPLUS instead of a LOOKUP per name, and keeps their listings;
-$SLATES_BRIDGE_PREFETCH=0 turns it off (prefetch_wanted()).  Every clean
+$SLATES_BRIDGE_PREFETCH=0 turns it off (prefetch_wanted()).  Once the
+listings are done, the walk reads the listed directories' regular files of
+up to 256 KiB through the mount (at most 64 MiB a mount; not the root's
+.git), so a first grep or build finds their pages cached;
+$SLATES_BRIDGE_READAHEAD=0 turns that part off (readahead_wanted()).  Every clean
 directory the bridge lists is watched with inotify (native/bridge_watch.c):
 a name created, removed or moved in the base drops the kernel's listing, so
 kept listings follow the live base ("watch_invals" counts them).
@@ -170,6 +174,7 @@ REPLY_SPIN_NS = 100_000
 THREADS_ENV = "SLATES_BRIDGE_THREADS"  # loop_threads()
 URING_ENV = "SLATES_FUSE_URING"  # uring_wanted()
 PREFETCH_ENV = "SLATES_BRIDGE_PREFETCH"  # prefetch_wanted()
+READAHEAD_ENV = "SLATES_BRIDGE_READAHEAD"  # readahead_wanted()
 
 __all__ = [
     "COUNTER_SLOTS",
@@ -182,6 +187,7 @@ __all__ = [
     "URING_ENV",
     "PREFETCH_ENV",
     "prefetch_wanted",
+    "readahead_wanted",
     "JOB_LIMIT",
     "Bridge",
     "MountJob",
@@ -270,6 +276,9 @@ STATS: dict[int, str] = {
     lib.BRIDGE_STAT_URING_REQUESTS: "uring_requests",
     lib.BRIDGE_STAT_PREFETCHES: "prefetches",
     lib.BRIDGE_STAT_WATCH_INVALS: "watch_invals",
+    lib.BRIDGE_STAT_SPIN_HITS: "spin_hits",
+    lib.BRIDGE_STAT_SPIN_PARKS: "spin_parks",
+    lib.BRIDGE_STAT_READAHEADS: "readaheads",
 }
 
 
@@ -688,6 +697,8 @@ def run_bridge(
         raise InvalidArgument("cannot ask for FUSE-over-io_uring after mounting")
     if lib.bridge_set_prefetch(int(prefetch_wanted())) < 0:
         raise InvalidArgument("cannot change directory prefetch after mounting")
+    if lib.bridge_set_readahead(int(readahead_wanted())) < 0:
+        raise InvalidArgument("cannot change read-ahead after mounting")
     if uncached and lib.bridge_set_cache_timeout(0.0) < 0:
         raise InvalidArgument("cannot turn the kernel's entry and attribute caches off")
     if counters is not None:
@@ -749,6 +760,13 @@ def prefetch_wanted() -> bool:
     """Whether clean directories are listed ahead of their callers
     (native/bridge_prefetch.c): $SLATES_BRIDGE_PREFETCH "0" turns it off."""
     return _env_switch(PREFETCH_ENV, default=True)
+
+
+def readahead_wanted() -> bool:
+    """Whether the prefetch walk also reads the small regular files of the
+    directories it listed (native/bridge_prefetch.c): $SLATES_BRIDGE_READAHEAD
+    "0" turns it off."""
+    return _env_switch(READAHEAD_ENV, default=True)
 
 
 def _env_switch(name: str, *, default: bool) -> bool:
