@@ -198,21 +198,10 @@ BRIDGE_INTERNAL int decode_reply(const uint8_t *buf, size_t len, uint64_t *seq,
 
 /* -- bridge_spin.c ------------------------------------------------------------ */
 
-/* One wait site's adaptive spin (see bridge_spin.c): spin at most budget_ns,
- * and only while the recent waits' average is within it. */
-struct spin_policy {
-    uint64_t budget_ns; /* 0: never spin */
-    uint64_t avg_ns;
-    unsigned backoff; /* parked waits left after a preempted spin */
-};
-BRIDGE_INTERNAL int spin_wanted(const struct spin_policy *p);
-BRIDGE_INTERNAL void spin_noted(struct spin_policy *p, uint64_t waited_ns, int parked,
-                                int preempted);
-/* This thread's involuntary context switches so far (-1 if unknown). */
-BRIDGE_INTERNAL long spin_preemptions(void);
 /* read(2) of the O_NONBLOCK /dev/fuse fd that waits for a request: spins
- * first when `p` says so, then polls; read's result and errno. */
-BRIDGE_INTERNAL ssize_t spin_read(int fd, void *buf, size_t len, struct spin_policy *p);
+ * first when `s` says so (ring.c's policy), then polls; read's result and
+ * errno. */
+BRIDGE_INTERNAL ssize_t spin_read(int fd, void *buf, size_t len, ring_spin_t *s);
 
 /* -- bridge_link.c ------------------------------------------------------------ */
 

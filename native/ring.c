@@ -7,6 +7,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -250,6 +251,74 @@ int ring_spin_wait(ring_t *r, uint64_t spin_ns)
         }
     } while (now_ns() < deadline);
     return 0;
+}
+
+/*
+ * Spinning.  A parked consumer costs a wake-up; on the 2-vCPU VM measured,
+ * whose idle vCPUs halt, that is a cross-CPU interrupt to a halted vCPU
+ * (the calibrated cost, ~40-50 us: slates.node.ring.calibrate_spin), while
+ * a spin costs the CPU it burns.  Spinning for the wake-up cost on every
+ * wait is within 2x of the best choice made with hindsight for one wait,
+ * but when waits reliably outlast it (a shard's writes in a build, ~230 us;
+ * a build's sporadic requests) every wait burns its whole budget for
+ * nothing: 21% of the bridge's and the shard's perf samples in a lua build.
+ * So a wait site keeps a ring_spin_t:
+ *   - avg_ns, an average of its recent waits as a spinner would have seen
+ *     them: a spun wait as it was, a parked one less the wake-up cost (the
+ *     budget), each capped at SPIN_CAP budgets so one long idle spell
+ *     weighs like a few misses, not forever;
+ *   - it spins (for at most the budget) only while that average is within
+ *     the budget: waits that reliably outlast it stop costing CPU within a
+ *     few waits, and streams of short ones spin again as soon as they come;
+ *   - a spin during which the thread was preempted involuntarily (another
+ *     task wanted its CPU: a build on every core) makes it park for the next
+ *     SPIN_BACKOFF waits: on a busy host, a spin takes the CPU from work.
+ * Users: the shards' request waits (slates/node/ring.py), the bridge's
+ * reply wait (native/bridge_link.c) and its /dev/fuse wait
+ * (native/bridge_spin.c).
+ */
+#define SPIN_CAP 4u      /* a wait counts at most this many budgets */
+#define SPIN_BACKOFF 64u /* parked waits after a spin that was preempted */
+
+int ring_spin_wanted(const ring_spin_t *s)
+{
+    return s->budget_ns > 0 && s->backoff == 0 && s->avg_ns <= s->budget_ns;
+}
+
+void ring_spin_noted(ring_spin_t *s, uint64_t waited_ns, int parked, int preempted)
+{
+    uint64_t budget = s->budget_ns;
+    uint64_t seen = parked ? (waited_ns > budget ? waited_ns - budget : 0) : waited_ns;
+    if (seen > SPIN_CAP * budget)
+        seen = SPIN_CAP * budget;
+    s->avg_ns = (s->avg_ns * 3 + seen) / 4;
+    if (preempted)
+        s->backoff = SPIN_BACKOFF;
+    else if (s->backoff > 0 && parked)
+        s->backoff--;
+}
+
+long ring_preemptions(void)
+{
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) == 0 ? ru.ru_nivcsw : -1;
+}
+
+int ring_spin_begin(ring_t *r, ring_spin_t *s)
+{
+    s->start_ns = now_ns();
+    s->preempted = 0;
+    if (!ring_spin_wanted(s))
+        return 0;
+    long before = ring_preemptions();
+    int got = ring_spin_wait(r, s->budget_ns);
+    s->preempted = ring_preemptions() != before;
+    return got;
+}
+
+void ring_spin_end(ring_spin_t *s, int parked)
+{
+    ring_spin_noted(s, now_ns() - s->start_ns, parked, s->preempted);
 }
 
 /*

@@ -80,6 +80,32 @@ int ring_peek_length(ring_t *r);
  * 1 if it did, 0 if the time ran out. */
 int ring_spin_wait(ring_t *r, uint64_t spin_ns);
 
+/* Adaptive spinning for one wait site (see ring.c, "Spinning"): spin up to
+ * budget_ns only while the recent waits' average (`avg_ns`) is within it
+ * and no recent spin was preempted (`backoff`).  Private memory, one
+ * waiter at a time; zero it, then set budget_ns (0: never spin). */
+typedef struct {
+    uint64_t budget_ns;
+    uint64_t avg_ns;
+    uint64_t start_ns;  /* the wait being measured (ring_spin_begin) */
+    uint32_t backoff;   /* parked waits left after a preempted spin */
+    int preempted;      /* the wait's spin was preempted */
+} ring_spin_t;
+
+/* Whether the policy would spin now. */
+int ring_spin_wanted(const ring_spin_t *s);
+/* Record a wait: how long it took, whether it parked, whether its spin was
+ * preempted. */
+void ring_spin_noted(ring_spin_t *s, uint64_t waited_ns, int parked, int preempted);
+/* A wait on `r` begins: start its clock and, if the policy says so, spin:
+ * 1 if a message came while spinning, 0 (park next). */
+int ring_spin_begin(ring_t *r, ring_spin_t *s);
+/* The wait that ring_spin_begin started is over (a message was taken):
+ * record it, parked or not. */
+void ring_spin_end(ring_spin_t *s, int parked);
+/* This thread's involuntary context switches so far (-1 if unknown). */
+long ring_preemptions(void);
+
 /* Consumer, before blocking on the eventfd: set the parked flag, then look
  * at the ring again.  0: still empty, safe to block (the producer will see
  * the flag).  1: data arrived meanwhile; the flag was cleared, do not block. */
