@@ -5,13 +5,16 @@ bench/workspaces_bench.py starts its "first touch: create + mount" row
 (subprocess, stdout captured, `--json`), so its time is a user's: the
 interpreter's start-up, the imports, the request and the exit.  Beside the
 commands: `python -c pass` and `python -c "import click"` (the floor every
-command stands on), the same create and mount through the SDK inside this
-process (the service's part alone), and the commands under `-X importtime`
-(which modules a command loads, and what each costs).  Each command's wall
-time comes with its CPU time (user + system, from the children's rusage),
-which other engineers' load on a shared host inflates far less; and each
+command stands on; also with the garbage collector paused, as slates_cli
+pauses it while a `slates` process imports), the same create and mount
+through the SDK inside this process (the service's part alone), and the
+commands under `-X importtime` (which modules a command loads, and what
+each costs).  Each command's wall time comes with its CPU time (user +
+system, from the children's rusage), which other engineers' load on a
+shared host inflates far less; and each
 mount with the anchor's own account of its wait (its log line: the checks,
-the bridge from job to ready byte, the state file).
+the bridge from job to ready byte, the state file), with its largest and
+the run's first (a shard's first ring connection can be the slow one).
 
 Trees (--tree LABEL=DIR, repeatable; default the checkout this file is in):
 each is a copy of `slates` and `slates_cli`, run through PYTHONPATH, with
@@ -213,6 +216,7 @@ def one_round(running: Running, samples: Samples, base: str, settle: float) -> N
     commands: tuple[tuple[str, list[str | os.PathLike[str]]], ...] = (
         ("python -c pass", [python, "-c", "pass"]),
         ("python -c 'import click'", [python, "-c", "import click"]),
+        ("... gc paused (as slates)", [python, "-c", "import gc; gc.disable(); import click"]),
         ("slates --help", [SLATES, "--help"]),
         ("slates status --json", cli(running, "status")),
     )
@@ -381,9 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, measured in phases.items():
         if not measured:
             continue  # a tree whose anchor does not say
-        print(f"\n{label}: the anchor's side of {len(measured)} mounts (its log), ms min / median")
+        print(f"\n{label}: the anchor's side of {len(measured)} mounts (its log), "
+              "ms min / median / max, and the run's first mount")  # fmt: skip
         for name, column in zip(PHASES, zip(*measured, strict=True), strict=True):
-            print(f"  {name:<14}{min(column):6.1f} / {statistics.median(column):.1f}")
+            print(f"  {name:<14}{min(column):6.1f} / {statistics.median(column):.1f} / "
+                  f"{max(column):.1f}   first {column[0]:.1f}")  # fmt: skip
     for label, rows in profiles.items():
         print(f"\n{label}: `volume create` imports beyond `import click`, median of "
               f"{args.imports} (-X importtime, ms self / cumulative; the top 15)")  # fmt: skip

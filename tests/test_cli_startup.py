@@ -63,7 +63,9 @@ What is checked, per hot command (issue 14: create + mount from the CLI):
 The mount flags (issue 12) are checked on real mounts: `--allow-other`
 reaches the kernel's mount options, and mount and unmount carry the
 agent's $SLATES_TOKEN (an agent unmounts its own mount, another agent
-cannot).  `slates anchor --agent-group` is checked on a real anchor.
+cannot).  `slates anchor --agent-group` is checked on a real anchor, and
+the state file it rewrites on every mount (Runtime.write_state) as a
+pure round trip: whole, 0640 whatever the umask, in the agent group.
 The pieces both SDK transports share (slates.sdk.session: request
 identity, the reconnect bound, the hello) are checked as pure functions,
 and the blocking client with rings on a real service.
@@ -96,6 +98,7 @@ from slates.core.host import UNLIMITED
 from slates.errors import CapacityExhausted, NotFound, SlatesError, VerificationFailed
 from slates.node.anchor import spawn_anchor, stop_process
 from slates.node.protocol import FrameReader, error_reply, frame, ok_reply, pack, unpack
+from slates.node.runtime import AnchorState, MountInfo, Runtime, ShardInfo
 from slates.node.service import MAX_AGENT_CLIENTS
 from slates.sdk import Client
 from slates.sdk.blocking import ALONG_MOST, BlockingShardConnection, BlockingTransport
@@ -943,10 +946,35 @@ def test_anchor_takes_an_agent_group(tmp_path: Path) -> None:
     try:
         st = runtime.stat()
         assert (st.st_gid, st.st_mode & 0o777) == (group, 0o750)  # the group reaches it
+        state = (runtime / "anchor.json").stat()  # and reads the state file, 0640
+        assert (state.st_gid, state.st_mode & 0o777) == (group, 0o640)
         done, _ = _run(tmp_path, "status", "--json", "--runtime-dir", str(runtime))
         assert len(_ok(done)["shards"]) == 1
     finally:
         stop_process(anchor)
+
+
+def test_the_state_file_is_replaced_whole_and_private(tmp_path: Path) -> None:
+    """Runtime.write_state (through the descriptor: a mount waits for it) writes what
+    read_state reads back, replaces the last state whole (no temporary file left), and
+    leaves the file 0640 whatever the umask, in the agent group when there is one."""
+    runtime = Runtime(tmp_path)
+    shard = ShardInfo(0, os.getpid(), str(tmp_path / "shard-0.sock"), 2, "serving")
+    first = AnchorState(os.getpid(), (shard,), 8 << 30)
+    second = first._replace(mounts=(MountInfo("/m/\u00e9", "vol-0-1", 7, "serving"),))
+    old_umask = os.umask(0o077)
+    try:
+        runtime.write_state(first)
+        assert runtime.read_state() == first
+        runtime.agent_group = os.getgid()
+        runtime.write_state(second)
+    finally:
+        os.umask(old_umask)
+    assert runtime.read_state() == second
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["anchor.json"]
+    st = (tmp_path / "anchor.json").stat()
+    assert (st.st_mode & 0o777, st.st_gid) == (0o640, os.getgid())
+    assert json.loads((tmp_path / "anchor.json").read_bytes()) == second.to_json()
 
 
 def test_the_mount_bridge_loads_no_core_merge_or_trio() -> None:
