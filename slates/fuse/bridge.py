@@ -958,5 +958,12 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from slates.fuse import bridge as _canonical  # the module whose callback C calls
 
-    with contextlib.suppress(BrokenPipeError):
-        sys.exit(_canonical.main())
+    try:
+        with contextlib.suppress(BrokenPipeError):
+            sys.exit(_canonical.main())
+    finally:
+        # Leaving (a spare the anchor let go, say, as the anchor stops it): a SIGTERM now
+        # has nothing left to unwind, and _terminate raising it inside the interpreter's
+        # shutdown would only print "Exception ignored" into the bridge's log.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
