@@ -148,25 +148,20 @@ static int next_state(enum prefetch_event event)
     return -1;
 }
 
-int bridge_set_prefetch(int on)
+/* A switch of the walk, set before the mount (IDLE): 0, or -EBUSY. */
+static int set_while_idle(int *flag, int on)
 {
     pthread_mutex_lock(&g_pf_lock);
     int rc = g_pf.state == PF_IDLE ? 0 : -EBUSY;
     if (rc == 0)
-        g_pf.enabled = on != 0;
+        *flag = on != 0;
     pthread_mutex_unlock(&g_pf_lock);
     return rc;
 }
 
-int bridge_set_readahead(int on)
-{
-    pthread_mutex_lock(&g_pf_lock);
-    int rc = g_pf.state == PF_IDLE ? 0 : -EBUSY;
-    if (rc == 0)
-        g_pf.readahead = on != 0;
-    pthread_mutex_unlock(&g_pf_lock);
-    return rc;
-}
+int bridge_set_prefetch(int on) { return set_while_idle(&g_pf.enabled, on); }
+
+int bridge_set_readahead(int on) { return set_while_idle(&g_pf.readahead, on); }
 
 int prefetch_set_mountpoint(const char *mountpoint)
 {
@@ -282,9 +277,9 @@ static void push_children(const char *path, uint64_t node, const char *buf, long
         if (d->d_type == DT_REG) {
             if (files_ok)
                 offer_file_locked(child);
-        }
-        else if (!full && push_locked(child) != 0)
+        } else if (!full && push_locked(child) != 0) {
             full = 1; /* full, or the walk's budget is spent */
+        }
     }
     pthread_mutex_unlock(&g_pf_lock);
 }
