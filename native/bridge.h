@@ -46,8 +46,8 @@
 #define BRIDGE_STAT_URING_REQUESTS 71 /* kernel requests that came over io_uring */
 #define BRIDGE_STAT_PREFETCHES 72 /* clean directories listed ahead (bridge_prefetch.c) */
 #define BRIDGE_STAT_WATCH_INVALS 73 /* kept listings a base change dropped (bridge_watch.c) */
-#define BRIDGE_STAT_SPIN_HITS 74 /* waits a spin ended (bridge_spin.c) */
-#define BRIDGE_STAT_SPIN_PARKS 75 /* waits that parked (bridge_spin.c) */
+#define BRIDGE_STAT_SPIN_HITS 74 /* request waits a spin ended (bridge_spin.c) */
+#define BRIDGE_STAT_SPIN_PARKS 75 /* request waits that parked (bridge_spin.c) */
 #define BRIDGE_STAT_READAHEADS 76 /* clean files read ahead (bridge_prefetch.c) */
 #define BRIDGE_COUNTERS 77
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
@@ -160,8 +160,9 @@ int bridge_test_meta_map(const uint64_t *ops, uint32_t n, uint64_t probe);
 /* Tests: the readdir cookie the bridge gives a name it lists from the base. */
 uint64_t bridge_test_cookie(const char *name, size_t len);
 /* The spin policy (bridge_spin.c) over `n` waits: wanted[i] is whether it
- * spun before wait i (waits[i] ns; flags[i]: 1 parked, 2 preempted);
- * returns whether it would spin next. */
+ * spun for wait i (which took waits[i] ns: a hit if that is within the
+ * budget; flags[i] & 2: the spin was crowded off its CPU); returns whether
+ * it would spin next. */
 int bridge_test_spin(uint64_t budget_ns, const uint64_t *waits, const int *flags, uint32_t n,
                      int *wanted);
 

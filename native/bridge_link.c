@@ -6,9 +6,8 @@
  *
  * Theory of operation: link_call sends the request that bridge_wire.c left
  * in g_bridge.sbuf and waits for the reply with the same sequence number:
- * it spins up to spin_ns (the calibrated wake-up cost) while recent replies
- * came within it (ring.c, "Spinning"), then parks on the reply eventfd, polled
- * together with the socket.  One request is in
+ * it spins up to spin_ns (the shard's usual service time), then parks on
+ * the reply eventfd, polled together with the socket.  One request is in
  * flight at a time (the rings are single-producer, single-consumer, and one
  * loop thread at a time holds the link: see "Threads" below), so a reply
  * with a lower seq answers a request given up on and is skipped, and any
@@ -281,15 +280,8 @@ static int push_request(const uint8_t *msg, uint32_t len)
  * to stop and the shard did not answer within the grace period. */
 static int wait_reply(int *status, const msgpack_object **result)
 {
-    static ring_spin_t link_spin; /* the link is one thread's at a time */
-    int waiting = 0, parked = 0;
     for (;;) {
         int n = ring_pop(&g_bridge.rep, g_bridge.reply, g_bridge.reply_cap);
-        if (n >= 0 && waiting) {
-            ring_spin_end(&link_spin, parked);
-            bridge_count(parked ? BRIDGE_STAT_SPIN_PARKS : BRIDGE_STAT_SPIN_HITS);
-            waiting = 0;
-        }
         if (n >= 0) {
             uint64_t seq = 0;
             g_bridge.reply_len = (uint32_t)n;
@@ -309,13 +301,8 @@ static int wait_reply(int *status, const msgpack_object **result)
         }
         if (n != -EAGAIN)
             return -EPIPE; /* a corrupt ring: start over on a fresh pair */
-        if (!waiting) {
-            waiting = 1;
-            link_spin.budget_ns = g_bridge.spin_ns;
-            if (ring_spin_begin(&g_bridge.rep, &link_spin))
-                continue;
-        }
-        parked = 1;
+        if (g_bridge.spin_ns > 0 && ring_spin_wait(&g_bridge.rep, g_bridge.spin_ns))
+            continue;
         if (ring_prepare_park(&g_bridge.rep))
             continue;
         struct pollfd p[2] = {

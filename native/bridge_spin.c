@@ -10,18 +10,17 @@
  * of small files, and spinning while requests stream in").  So the fd is
  * O_NONBLOCK (bridge_session.c) and spin_read first tries a read; when
  * nothing is queued it spins on non-blocking reads for up to the budget (the
- * calibrated wake-up cost) if the thread's ring_spin_t says so - the same
- * adaptive rule as every ring wait (ring.c, "Spinning": only while recent
- * waits were that short, and not after a spin that took another task's
- * CPU) - then polls and reads.  At most one loop thread spins at a time
- * (g_spinner), so extra loop threads never burn more than one CPU between
- * them.  Errors are read's: EINTR (a signal: the loop checks whether it is
+ * calibrated wake-up cost) if the thread's ring_spin_t says so (ring.c,
+ * "Spinning": while an eighth of its recent spins caught a request, with a
+ * probe every eighth wait otherwise, and not after a spin that got less than
+ * half of its time on the CPU), then polls and reads.  At most one loop
+ * thread spins at a time (g_spinner), so extra loop threads never burn more
+ * than one CPU between them.  Errors are read's: EINTR (a signal: the loop checks whether it is
  * over) and ENODEV (the kernel ended the session) reach the caller as
  * before.
  *
- * Counted: BRIDGE_STAT_SPIN_HITS (a request or a shard reply that came
- * while spinning) and BRIDGE_STAT_SPIN_PARKS (a wait that parked), here and
- * in bridge_link.c.
+ * Counted: BRIDGE_STAT_SPIN_HITS (a request that came while spinning) and
+ * BRIDGE_STAT_SPIN_PARKS (a wait that parked).
  */
 #include "bridge_internal.h"
 
@@ -44,34 +43,32 @@ ssize_t spin_read(int fd, void *buf, size_t len, ring_spin_t *s)
     ssize_t n;
     if (try_read(fd, buf, len, &n))
         return n;
-    s->start_ns = now_ns(CLOCK_MONOTONIC);
-    s->preempted = 0;
+    s->spun = s->hit = s->crowded = 0;
     int expected = 0;
     if (ring_spin_wanted(s) && __atomic_compare_exchange_n(&g_spinner, &expected, 1, 0,
                                                            __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
-        long before = ring_preemptions();
-        uint64_t deadline = s->start_ns + s->budget_ns;
-        int got;
+        uint64_t start = now_ns(CLOCK_MONOTONIC), cpu = ring_thread_cpu_ns();
+        uint64_t deadline = start + s->budget_ns;
         do
-            got = try_read(fd, buf, len, &n);
-        while (!got && now_ns(CLOCK_MONOTONIC) < deadline);
+            s->hit = try_read(fd, buf, len, &n);
+        while (!s->hit && now_ns(CLOCK_MONOTONIC) < deadline);
         __atomic_store_n(&g_spinner, 0, __ATOMIC_RELEASE);
-        s->preempted = ring_preemptions() != before;
-        if (got) {
-            ring_spin_end(s, 0);
-            bridge_count(BRIDGE_STAT_SPIN_HITS);
-            return n;
+        s->spun = 1;
+        s->crowded = ring_spin_crowded(start, cpu);
+    }
+    if (!s->hit) {
+        bridge_count(BRIDGE_STAT_SPIN_PARKS);
+        for (;;) {
+            struct pollfd pfd = {.fd = fd, .events = POLLIN};
+            if (poll(&pfd, 1, -1) < 0)
+                return -1; /* EINTR: the loop checks whether it is over */
+            if (try_read(fd, buf, len, &n))
+                break; /* a request, or ENODEV once the kernel ended the session */
         }
+    } else {
+        bridge_count(BRIDGE_STAT_SPIN_HITS);
     }
-    bridge_count(BRIDGE_STAT_SPIN_PARKS);
-    for (;;) {
-        struct pollfd pfd = {.fd = fd, .events = POLLIN};
-        if (poll(&pfd, 1, -1) < 0)
-            return -1; /* EINTR: the loop checks whether it is over */
-        if (try_read(fd, buf, len, &n))
-            break; /* a request, or ENODEV once the kernel ended the session */
-    }
-    ring_spin_end(s, 1);
+    ring_spin_end(s);
     return n;
 }
 
@@ -81,7 +78,7 @@ int bridge_test_spin(uint64_t budget_ns, const uint64_t *waits, const int *flags
     ring_spin_t s = {.budget_ns = budget_ns};
     for (uint32_t i = 0; i < n; i++) {
         wanted[i] = ring_spin_wanted(&s);
-        ring_spin_noted(&s, waits[i], flags[i] & 1, (flags[i] & 2) != 0);
+        ring_spin_noted(&s, wanted[i], wanted[i] && waits[i] <= budget_ns, (flags[i] & 2) != 0);
     }
     return ring_spin_wanted(&s);
 }

@@ -93,11 +93,6 @@ ffibuilder.cdef(
     int ring_pop(ring_t *r, uint8_t *out, uint32_t cap);
     int ring_peek_length(ring_t *r);
     int ring_spin_wait(ring_t *r, uint64_t spin_ns);
-    typedef struct { uint64_t budget_ns; uint64_t avg_ns; uint32_t backoff; ...; } ring_spin_t;
-    int ring_spin_wanted(const ring_spin_t *s);
-    void ring_spin_noted(ring_spin_t *s, uint64_t waited_ns, int parked, int preempted);
-    int ring_spin_begin(ring_t *r, ring_spin_t *s);
-    void ring_spin_end(ring_spin_t *s, int parked);
     int ring_prepare_park(ring_t *r);
     void ring_unpark(ring_t *r);
     int ring_is_parked(const ring_t *r);

@@ -7,7 +7,6 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -254,72 +253,76 @@ int ring_spin_wait(ring_t *r, uint64_t spin_ns)
 }
 
 /*
- * Spinning.  A parked consumer costs a wake-up; on the 2-vCPU VM measured,
- * whose idle vCPUs halt, that is a cross-CPU interrupt to a halted vCPU
- * (the calibrated cost, ~40-50 us: slates.node.ring.calibrate_spin), while
- * a spin costs the CPU it burns.  Spinning for the wake-up cost on every
- * wait is within 2x of the best choice made with hindsight for one wait,
- * but when waits reliably outlast it (a shard's writes in a build, ~230 us;
- * a build's sporadic requests) every wait burns its whole budget for
- * nothing: 21% of the bridge's and the shard's perf samples in a lua build.
- * So a wait site keeps a ring_spin_t:
- *   - avg_ns, an average of its recent waits as a spinner would have seen
- *     them: a spun wait as it was, a parked one less the wake-up cost (the
- *     budget), each capped at SPIN_CAP budgets so one long idle spell
- *     weighs like a few misses, not forever;
- *   - it spins (for at most the budget) only while that average is within
- *     the budget: waits that reliably outlast it stop costing CPU within a
- *     few waits, and streams of short ones spin again as soon as they come;
- *   - a spin during which the thread was preempted involuntarily (another
- *     task wanted its CPU: a build on every core) makes it park for the next
- *     SPIN_BACKOFF waits: on a busy host, a spin takes the CPU from work.
- * Users: the shards' request waits (slates/node/ring.py), the bridge's
- * reply wait (native/bridge_link.c) and its /dev/fuse wait
- * (native/bridge_spin.c).
+ * Spinning (the bridge's /dev/fuse wait: native/bridge_spin.c).  A parked
+ * waiter costs a wake-up; on the 2-vCPU VM measured, whose idle vCPUs halt,
+ * that is a cross-CPU interrupt to a halted vCPU (the calibrated cost,
+ * ~40-50 us: slates.node.ring.calibrate_spin), while a spin costs the CPU it
+ * burns.  The ring consumers themselves (the shards' request waits, the
+ * bridge's reply wait) still spin for the budget on every wait: the same
+ * policy there made a stream of small-file creates and unlinks 30-60%
+ * slower on this host for reasons not yet found (bench/RESULTS.md), so it
+ * is not used there.
+ *
+ * A wait site keeps a ring_spin_t:
+ *   - miss_rate, how often its recent spins ended without the message (an
+ *     average with weight 1/SPIN_WEIGHT, in 1/256ths);
+ *   - it spins (for at most the budget) while the spins' hit rate is at
+ *     least SPIN_MIN_RATE: a spin never makes a wait longer (one that
+ *     outlasts it parks and is woken as it would have been), so it is worth
+ *     its CPU while it often catches the message (grep's READs, git's
+ *     lstats), and waits that nearly never end within it (a build's sparse
+ *     requests) stop costing a spin each within about 16 waits;
+ *   - while it does not spin, every SPIN_PROBE-th wait spins anyway, so the
+ *     rate keeps being measured (a parked wait says little: its wake-up
+ *     takes from ~40 us to well over 100 us on this VM, so "how long it would
+ *     have taken" cannot be read off it) and spinning resumes after one hit;
+ *   - a spin that got less than half of its time on the CPU (other tasks
+ *     wanted that CPU) makes it park for the next SPIN_BACKOFF waits.
+ *     (Counting involuntary context switches instead was too eager: a
+ *     kernel worker's moment on the CPU counts as one.)
  */
-#define SPIN_CAP 4u      /* a wait counts at most this many budgets */
-#define SPIN_BACKOFF 64u /* parked waits after a spin that was preempted */
+#define SPIN_WEIGHT 8u    /* the rate's average: each spin weighs 1/SPIN_WEIGHT */
+#define SPIN_MIN_RATE 32u /* of 256: spin while an eighth of the spins hit */
+#define SPIN_PROBE 8u     /* while not spinning, every 8th wait spins anyway */
+#define SPIN_BACKOFF 64u  /* waits without a spin after a crowded one */
 
-int ring_spin_wanted(const ring_spin_t *s)
+int ring_spin_wanted(ring_spin_t *s)
 {
-    return s->budget_ns > 0 && s->backoff == 0 && s->avg_ns <= s->budget_ns;
+    if (s->budget_ns == 0 || s->backoff > 0)
+        return 0;
+    if (256u - s->miss_rate >= SPIN_MIN_RATE)
+        return 1;
+    if (++s->skipped < SPIN_PROBE)
+        return 0;
+    s->skipped = 0;
+    return 1; /* a probe */
 }
 
-void ring_spin_noted(ring_spin_t *s, uint64_t waited_ns, int parked, int preempted)
+void ring_spin_noted(ring_spin_t *s, int spun, int hit, int crowded)
 {
-    uint64_t budget = s->budget_ns;
-    uint64_t seen = parked ? (waited_ns > budget ? waited_ns - budget : 0) : waited_ns;
-    if (seen > SPIN_CAP * budget)
-        seen = SPIN_CAP * budget;
-    s->avg_ns = (s->avg_ns * 3 + seen) / 4;
-    if (preempted)
+    if (spun)
+        s->miss_rate = (s->miss_rate * (SPIN_WEIGHT - 1) + (hit ? 0u : 256u)) / SPIN_WEIGHT;
+    if (crowded)
         s->backoff = SPIN_BACKOFF;
-    else if (s->backoff > 0 && parked)
+    else if (!spun && s->backoff > 0)
         s->backoff--;
 }
 
-long ring_preemptions(void)
+uint64_t ring_thread_cpu_ns(void)
 {
-    struct rusage ru;
-    return getrusage(RUSAGE_THREAD, &ru) == 0 ? ru.ru_nivcsw : -1;
-}
-
-int ring_spin_begin(ring_t *r, ring_spin_t *s)
-{
-    s->start_ns = now_ns();
-    s->preempted = 0;
-    if (!ring_spin_wanted(s))
+    struct timespec ts;
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0)
         return 0;
-    long before = ring_preemptions();
-    int got = ring_spin_wait(r, s->budget_ns);
-    s->preempted = ring_preemptions() != before;
-    return got;
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-void ring_spin_end(ring_spin_t *s, int parked)
+int ring_spin_crowded(uint64_t wall_start, uint64_t cpu_start)
 {
-    ring_spin_noted(s, now_ns() - s->start_ns, parked, s->preempted);
+    uint64_t wall = now_ns() - wall_start, cpu = ring_thread_cpu_ns() - cpu_start;
+    return cpu_start != 0 && 2 * cpu < wall;
 }
+
+void ring_spin_end(ring_spin_t *s) { ring_spin_noted(s, s->spun, s->hit, s->crowded); }
 
 /*
  * Lost-wakeup freedom (Dekker): the consumer stores parked=1 then reads tail;

@@ -81,30 +81,30 @@ int ring_peek_length(ring_t *r);
 int ring_spin_wait(ring_t *r, uint64_t spin_ns);
 
 /* Adaptive spinning for one wait site (see ring.c, "Spinning"): spin up to
- * budget_ns only while the recent waits' average (`avg_ns`) is within it
- * and no recent spin was preempted (`backoff`).  Private memory, one
- * waiter at a time; zero it, then set budget_ns (0: never spin). */
+ * budget_ns while enough recent spins caught the message (`miss_rate`, in
+ * 1/256ths; otherwise every 8th wait probes) and no recent spin was crowded
+ * off its CPU (`backoff`).  Private memory, one waiter at a time; zero it,
+ * then set budget_ns (0: never spin). */
 typedef struct {
     uint64_t budget_ns;
-    uint64_t avg_ns;
-    uint64_t start_ns;  /* the wait being measured (ring_spin_begin) */
-    uint32_t backoff;   /* parked waits left after a preempted spin */
-    int preempted;      /* the wait's spin was preempted */
+    uint32_t miss_rate; /* 0: every recent spin hit (a fresh policy) */
+    uint32_t backoff;   /* waits left without a spin after a crowded one */
+    uint32_t skipped;   /* waits without a spin since the last probe */
+    int spun, hit, crowded; /* the current wait, as its waiter saw it */
 } ring_spin_t;
 
-/* Whether the policy would spin now. */
-int ring_spin_wanted(const ring_spin_t *s);
-/* Record a wait: how long it took, whether it parked, whether its spin was
- * preempted. */
-void ring_spin_noted(ring_spin_t *s, uint64_t waited_ns, int parked, int preempted);
-/* A wait on `r` begins: start its clock and, if the policy says so, spin:
- * 1 if a message came while spinning, 0 (park next). */
-int ring_spin_begin(ring_t *r, ring_spin_t *s);
-/* The wait that ring_spin_begin started is over (a message was taken):
- * record it, parked or not. */
-void ring_spin_end(ring_spin_t *s, int parked);
-/* This thread's involuntary context switches so far (-1 if unknown). */
-long ring_preemptions(void);
+/* Whether to spin for this wait (a probe counts as one). */
+int ring_spin_wanted(ring_spin_t *s);
+/* Record a wait: whether it spun, whether the message came while it spun,
+ * and whether the spin was crowded off its CPU. */
+void ring_spin_noted(ring_spin_t *s, int spun, int hit, int crowded);
+/* The wait is over: record what s->spun, s->hit and s->crowded say of it. */
+void ring_spin_end(ring_spin_t *s);
+/* This thread's CPU time (CLOCK_THREAD_CPUTIME_ID; 0 if unknown), and whether
+ * a spin since (wall_start, cpu_start) had less than half of its time on the
+ * CPU (the policy then backs off). */
+uint64_t ring_thread_cpu_ns(void);
+int ring_spin_crowded(uint64_t wall_start, uint64_t cpu_start);
 
 /* Consumer, before blocking on the eventfd: set the parked flag, then look
  * at the ring again.  0: still empty, safe to block (the producer will see

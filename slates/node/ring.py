@@ -25,15 +25,11 @@ Invariants:
   after a push only when the flag is set (a Dekker pair with seq_cst fences,
   see ring.c).  Spurious wake-ups are possible and harmless.
 
-Waiting: an idle consumer may first spin for up to `spin_ns` nanoseconds,
-which should equal the measured cost of an eventfd wake-up
-(`calibrate_spin`): spinning for as long as a wake-up would cost keeps the
-wasted CPU within a factor of two of the best choice made with hindsight.
-Whether it spins is the adaptive rule in ring.c ("Spinning"), kept per ring
-(a ring_spin_t): only while its recent waits were that short and its last
-spin took no other task's CPU, so a shard whose requests come seldom (a
-build's) stops burning a spin per request.  The spin runs in C with the
-GIL released but does hold up the trio run loop for that long.
+Waiting: an idle consumer first spins for `spin_ns` nanoseconds, which
+should equal the measured cost of an eventfd wake-up (`calibrate_spin`):
+spinning for as long as a wake-up would cost keeps the wasted CPU within a
+factor of two of the best choice made with hindsight.  The spin runs in C
+with the GIL released but does hold up the trio run loop for that long.
 Calibrating takes tens of milliseconds (200 cross-CPU round trips), too
 much for every mount's bridge process, so `cached_spin_ns` remembers the
 result in the runtime directory (SPIN_CACHE_NAME: "v1 <boot id> <ns>",
@@ -155,8 +151,6 @@ class Ring:
         self.capacity: int = ring.capacity
         self.max_message: int = lib.ring_max_message(ring)
         self.spin_ns = default_spin_ns() if spin_ns is None else spin_ns
-        self._spin = ffi.new("ring_spin_t *")  # the adaptive policy (ring.c, "Spinning")
-        self._spin.budget_ns = self.spin_ns
         # Uncleared, so a ring this process only produces into costs no pages.
         self._out = _alloc_uncleared("uint8_t[]", self.max_message)
         self._poll = select.poll()
@@ -238,7 +232,7 @@ class Ring:
         return None if view is None else bytes(view)
 
     async def receive(self) -> bytes:
-        """Wait (trio) for the next message: spin (if the policy says so), then park."""
+        """Wait (trio) for the next message: spin for `spin_ns`, then park."""
         return await self._receive(self.pop)
 
     async def receive_view(self) -> memoryview:
@@ -250,19 +244,15 @@ class Ring:
         import trio  # here, so that processes without trio (the bridge) start quickly
 
         await trio.lowlevel.checkpoint_if_cancelled()
-        parked = waiting = False
+        parked = False
         while True:
             data = pop()
             if data is not None:
-                if waiting:
-                    lib.ring_spin_end(self._spin, parked)
                 if not parked:  # a message taken at once: the other tasks' turn first
                     await trio.lowlevel.cancel_shielded_checkpoint()
                 return data
-            if self._spin_then_prepare_park(waiting):
-                waiting = True
+            if self._spin_then_prepare_park():
                 continue
-            waiting = True
             try:
                 await trio.lowlevel.wait_readable(self._eventfd)  # their turn was now
             finally:
@@ -272,17 +262,12 @@ class Ring:
     def receive_blocking(self, timeout: float | None = None) -> bytes | None:
         """Blocking `receive` for threads and non-trio processes; None on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        parked = waiting = False
         while True:
             data = self.pop()
             if data is not None:
-                if waiting:
-                    lib.ring_spin_end(self._spin, parked)
                 return data
-            if self._spin_then_prepare_park(waiting):
-                waiting = True
+            if self._spin_then_prepare_park():
                 continue
-            waiting = parked = True
             try:
                 if deadline is None:
                     self._poll.poll()
@@ -293,14 +278,11 @@ class Ring:
             if deadline is not None and time.monotonic() >= deadline:
                 return self.pop()
 
-    def _spin_then_prepare_park(self, waiting: bool) -> bool:
-        """True if a message arrived; False once parked (the caller must wait).
-        The first call of a wait starts its clock and spins if the policy says so."""
+    def _spin_then_prepare_park(self) -> bool:
+        """True if a message arrived; False once parked (the caller must wait)."""
         ring = self._live()
-        if not waiting:
-            self._spin.budget_ns = self.spin_ns
-            if lib.ring_spin_begin(ring, self._spin):
-                return True
+        if self.spin_ns > 0 and lib.ring_spin_wait(ring, self.spin_ns):
+            return True
         return bool(lib.ring_prepare_park(ring))
 
     def _unpark(self) -> None:
