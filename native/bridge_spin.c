@@ -15,9 +15,10 @@
  * probe every eighth wait otherwise, and not after a spin that got less than
  * half of its time on the CPU), then polls and reads.  At most one loop
  * thread spins at a time (g_spinner), so extra loop threads never burn more
- * than one CPU between them.  Errors are read's: EINTR (a signal: the loop checks whether it is
- * over) and ENODEV (the kernel ended the session) reach the caller as
- * before.
+ * than one CPU between them.  Errors are read's: EINTR (a signal: the loop
+ * checks whether it is over) and ENODEV (the kernel ended the session) reach
+ * the caller as before; a stop signal that comes while the thread spins ends
+ * the wait at once (wait_readable).
  *
  * Counted: BRIDGE_STAT_SPIN_HITS (a request that came while spinning) and
  * BRIDGE_STAT_SPIN_PARKS (a wait that parked).
@@ -26,9 +27,36 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <signal.h>
 #include <unistd.h>
 
 static int g_spinner; /* a loop thread is spinning (atomic) */
+
+/* Wait for the fd to be readable, or for a stopping signal: 0, or -1 with
+ * errno EINTR.  A signal that came while the thread spun has already run its
+ * handler (g_bridge.stop) and would interrupt nothing, so the stop signals
+ * are blocked while stop is checked, and ppoll unblocks them atomically:
+ * one that came just before is taken at once, not after the next request. */
+static int wait_readable(int fd)
+{
+    sigset_t stops, old;
+    sigemptyset(&stops);
+    sigaddset(&stops, SIGTERM);
+    sigaddset(&stops, SIGINT);
+    sigaddset(&stops, SIGHUP);
+    pthread_sigmask(SIG_BLOCK, &stops, &old);
+    int rc = -1;
+    if (g_bridge.stop) {
+        errno = EINTR;
+    } else {
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        rc = ppoll(&pfd, 1, NULL, &old) < 0 ? -1 : 0;
+    }
+    int saved = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    errno = saved;
+    return rc;
+}
 
 /* One read of the O_NONBLOCK fd: 1 when it is over (*n set: a request, or an
  * error the caller handles), 0 when nothing is queued. */
@@ -51,7 +79,7 @@ ssize_t spin_read(int fd, void *buf, size_t len, ring_spin_t *s)
         uint64_t deadline = start + s->budget_ns;
         do
             s->hit = try_read(fd, buf, len, &n);
-        while (!s->hit && now_ns(CLOCK_MONOTONIC) < deadline);
+        while (!s->hit && !g_bridge.stop && now_ns(CLOCK_MONOTONIC) < deadline);
         __atomic_store_n(&g_spinner, 0, __ATOMIC_RELEASE);
         s->spun = 1;
         s->crowded = ring_spin_crowded(start, cpu);
@@ -59,8 +87,7 @@ ssize_t spin_read(int fd, void *buf, size_t len, ring_spin_t *s)
     if (!s->hit) {
         bridge_count(BRIDGE_STAT_SPIN_PARKS);
         for (;;) {
-            struct pollfd pfd = {.fd = fd, .events = POLLIN};
-            if (poll(&pfd, 1, -1) < 0)
+            if (wait_readable(fd) < 0)
                 return -1; /* EINTR: the loop checks whether it is over */
             if (try_read(fd, buf, len, &n))
                 break; /* a request, or ENODEV once the kernel ended the session */
