@@ -30,7 +30,10 @@
  * objects are git's to read when it needs them), each to its end if it is
  * at most PREFETCH_FILE_MAX bytes, until PREFETCH_CONTENT_BYTES were read:
  * the loop threads answer those READs from the base (bridge_clean.c), and
- * the kernel keeps the pages.  They are an ordinary reader's too, under the
+ * the kernel keeps the pages.  The reader does that at SCHED_IDLE (once its
+ * first file comes), so it takes only CPU time nobody else wants: without
+ * it, a git status started the instant the mount returned took 0.096 s
+ * against 0.063 s.  They are an ordinary reader's reads too, under the
  * kernel's page locks, so a caller's write is never overwritten by them,
  * and a base file changed since it was listed fails its fingerprint and
  * is not read (the shard's EIO ends that file's read).  After its last
@@ -85,6 +88,7 @@
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -390,6 +394,13 @@ static int child_list_one(const char *mountpoint, size_t mlen, char *buf)
         return -1;
     full[mlen + 1 + len] = '\0';
     if (word & PF_READ_FILE) {
+        /* Reading ahead is for idle CPUs: a caller's first command (git status
+         * the instant the mount returns) must not wait behind it. */
+        static int idle;
+        if (!idle) {
+            struct sched_param none = {.sched_priority = 0};
+            idle = sched_setscheduler(0, SCHED_IDLE, &none) == 0 ? 1 : -1;
+        }
         uint32_t got = child_read_file(full, buf);
         return full_write(1, &got, sizeof got);
     }
