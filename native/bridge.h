@@ -159,7 +159,7 @@ int bridge_test_attr_cache(uint64_t ino, int event);
 int bridge_test_meta_map(const uint64_t *ops, uint32_t n, uint64_t probe);
 /* Tests: the readdir cookie the bridge gives a name it lists from the base. */
 uint64_t bridge_test_cookie(const char *name, size_t len);
-/* The spin policy (bridge_spin.c) over `n` waits: wanted[i] is whether it
+/* The loop threads' spin policy (bridge_spin.c) over `n` waits: wanted[i] is whether it
  * spun for wait i (which took waits[i] ns: a hit if that is within the
  * budget; flags[i] & 2: the spin was crowded off its CPU); returns whether
  * it would spin next. */

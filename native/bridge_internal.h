@@ -198,10 +198,19 @@ BRIDGE_INTERNAL int decode_reply(const uint8_t *buf, size_t len, uint64_t *seq,
 
 /* -- bridge_spin.c ------------------------------------------------------------ */
 
+/* One loop thread's adaptive spin (see bridge_spin.c): spin up to budget_ns
+ * while enough recent spins caught a request (otherwise every 8th wait
+ * probes) and no recent spin was crowded off its CPU.  Zero it, then set
+ * budget_ns (0: never spin). */
+struct spin_policy {
+    uint64_t budget_ns;
+    uint32_t miss_rate; /* of 256; 0: every recent spin hit (a fresh policy) */
+    uint32_t backoff;   /* waits left without a spin after a crowded one */
+    uint32_t skipped;   /* waits without a spin since the last probe */
+};
 /* read(2) of the O_NONBLOCK /dev/fuse fd that waits for a request: spins
- * first when `s` says so (ring.c's policy), then polls; read's result and
- * errno. */
-BRIDGE_INTERNAL ssize_t spin_read(int fd, void *buf, size_t len, ring_spin_t *s);
+ * first when `p` says so, then polls; read's result and errno. */
+BRIDGE_INTERNAL ssize_t spin_read(int fd, void *buf, size_t len, struct spin_policy *p);
 
 /* -- bridge_link.c ------------------------------------------------------------ */
 

@@ -531,12 +531,8 @@ static void reap_readers(void)
     }
 }
 
-/* Give reader `r` the next directory to list: 1 when it lists one, 0 when
- * none is left, -1 when the reader is gone.  The root is listed once,
- * whoever answers it (its READDIRPLUS teaches bridge_meta.c which of its
- * directories are clean); any other directory only if the bridge answers it
- * and nobody listed it yet (claimed by its base inode before the reader is
- * asked, so each listing is one exchange). */
+/* Send reader `r` its job (`path`, which it now owns; `job` 0 to list the
+ * directory `node`, PF_READ_FILE to read a file): 1, or -1 when it is gone. */
 static int give(struct reader *r, char *path, uint64_t node, uint32_t job)
 {
     uint32_t len = (uint32_t)strlen(path), word = len | job;
@@ -547,6 +543,13 @@ static int give(struct reader *r, char *path, uint64_t node, uint32_t job)
     return 1;
 }
 
+/* Give reader `r` the next directory to list, or once none waits the next
+ * file to read ahead: 1 when it has one, 0 when none is left, -1 when the
+ * reader is gone.  The root is listed once, whoever answers it (its
+ * READDIRPLUS teaches bridge_meta.c which of its directories are clean); any
+ * other directory only if the bridge answers it and nobody listed it yet
+ * (claimed by its base inode before the reader is asked, so each listing is
+ * one exchange). */
 static int assign(struct reader *r)
 {
     static int root_listed; /* one thread */

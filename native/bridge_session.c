@@ -86,7 +86,7 @@ int init_patch(const struct iovec *iov, int count, struct fuse_init_out *out)
 }
 
 /* Each loop thread's wait for the kernel's next request (bridge_spin.c). */
-static __thread ring_spin_t t_request_spin;
+static __thread struct spin_policy t_request_spin;
 
 static ssize_t plain_read(int fd, void *buf, size_t len, void *userdata)
 {

@@ -4,20 +4,38 @@
  *
  * Theory of operation.  A loop thread that blocks in read(2) on /dev/fuse
  * costs the bridge a wake-up on every request, and on the VM measured (idle
- * vCPUs halt) that is a cross-CPU interrupt each way of every round trip: a
- * program streaming requests - grep reading file after file, git's lstats,
- * a compiler's writes - paid it on each one (bench/RESULTS.md, "Read-ahead
- * of small files, and spinning while requests stream in").  So the fd is
- * O_NONBLOCK (bridge_session.c) and spin_read first tries a read; when
- * nothing is queued it spins on non-blocking reads for up to the budget (the
- * calibrated wake-up cost) if the thread's ring_spin_t says so (ring.c,
- * "Spinning": while an eighth of its recent spins caught a request, with a
- * probe every eighth wait otherwise, and not after a spin that got less than
- * half of its time on the CPU), then polls and reads.  At most one loop
- * thread spins at a time (g_spinner), so extra loop threads never burn more
- * than one CPU between them.  Errors are read's: EINTR (a signal: the loop
- * checks whether it is over) and ENODEV (the kernel ended the session) reach
- * the caller as before; a stop signal that comes while the thread spins ends
+ * vCPUs halt) that is a cross-CPU interrupt each way of every round trip
+ * (the calibrated cost, ~40-50 us: slates.node.ring.calibrate_spin): a
+ * program streaming requests - grep reading file after file, git's lstats -
+ * paid it on each one (bench/RESULTS.md, "Read-ahead of small files, and
+ * spinning while requests stream in").  So the fd is O_NONBLOCK
+ * (bridge_session.c) and spin_read first tries a read; when nothing is
+ * queued it spins on non-blocking reads for up to the budget (the
+ * calibrated wake-up cost) if the thread's spin_policy says so, then polls
+ * and reads.  The policy:
+ *   - miss_rate, how often the recent spins ended without a request (an
+ *     average with weight 1/SPIN_WEIGHT, in 1/256ths);
+ *   - it spins while the spins' hit rate is at least SPIN_MIN_RATE: a spin
+ *     never makes a wait longer (one that outlasts it parks and is woken as
+ *     it would have been), so it is worth its CPU while it often catches the
+ *     request, and waits that nearly never end within it (a build's sparse
+ *     requests) stop costing a spin each within about 16 waits;
+ *   - while it does not spin, every SPIN_PROBE-th wait spins anyway, so the
+ *     rate keeps being measured (a parked wait says little: its wake-up
+ *     takes from ~40 us to well over 100 us on this VM) and spinning
+ *     resumes after one hit;
+ *   - a spin that got less than half of its time on the CPU (other tasks
+ *     wanted that CPU) makes it park for the next SPIN_BACKOFF waits
+ *     (counting involuntary context switches instead was too eager: a
+ *     kernel worker's moment on the CPU counts as one).
+ * The ring waits (the shards' request waits, the bridge's reply wait) spin
+ * for their budget on every wait, as before: this policy there made a
+ * stream of small-file creates and unlinks 30-60% slower on this host, for
+ * reasons not yet found (bench/RESULTS.md).  At most one loop thread spins
+ * at a time (g_spinner), so extra loop threads never burn more than one CPU
+ * between them.  Errors are read's: EINTR (a signal: the loop checks
+ * whether it is over) and ENODEV (the kernel ended the session) reach the
+ * caller as before; a stop signal that comes while the thread spins ends
  * the wait at once (wait_readable).
  *
  * Counted: BRIDGE_STAT_SPIN_HITS (a request that came while spinning) and
@@ -30,7 +48,37 @@
 #include <signal.h>
 #include <unistd.h>
 
+#define SPIN_WEIGHT 8u    /* the rate's average: each spin weighs 1/SPIN_WEIGHT */
+#define SPIN_MIN_RATE 32u /* of 256: spin while an eighth of the spins hit */
+#define SPIN_PROBE 8u     /* while not spinning, every 8th wait spins anyway */
+#define SPIN_BACKOFF 64u  /* waits without a spin after a crowded one */
+
 static int g_spinner; /* a loop thread is spinning (atomic) */
+
+/* Whether to spin for this wait (a probe counts as one). */
+static int spin_wanted(struct spin_policy *p)
+{
+    if (p->budget_ns == 0 || p->backoff > 0)
+        return 0;
+    if (256u - p->miss_rate >= SPIN_MIN_RATE)
+        return 1;
+    if (++p->skipped < SPIN_PROBE)
+        return 0;
+    p->skipped = 0;
+    return 1; /* a probe */
+}
+
+/* Record a wait: whether it spun, whether the request came while it spun,
+ * and whether the spin was crowded off its CPU. */
+static void spin_noted(struct spin_policy *p, int spun, int hit, int crowded)
+{
+    if (spun)
+        p->miss_rate = (p->miss_rate * (SPIN_WEIGHT - 1) + (hit ? 0u : 256u)) / SPIN_WEIGHT;
+    if (crowded)
+        p->backoff = SPIN_BACKOFF;
+    else if (!spun && p->backoff > 0)
+        p->backoff--;
+}
 
 /* Wait for the fd to be readable, or for a stopping signal: 0, or -1 with
  * errno EINTR.  A signal that came while the thread spun has already run its
@@ -66,25 +114,25 @@ static int try_read(int fd, void *buf, size_t len, ssize_t *n)
     return *n >= 0 || errno != EAGAIN;
 }
 
-ssize_t spin_read(int fd, void *buf, size_t len, ring_spin_t *s)
+ssize_t spin_read(int fd, void *buf, size_t len, struct spin_policy *p)
 {
     ssize_t n;
     if (try_read(fd, buf, len, &n))
         return n;
-    s->spun = s->hit = s->crowded = 0;
-    int expected = 0;
-    if (ring_spin_wanted(s) && __atomic_compare_exchange_n(&g_spinner, &expected, 1, 0,
-                                                           __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
-        uint64_t start = now_ns(CLOCK_MONOTONIC), cpu = ring_thread_cpu_ns();
-        uint64_t deadline = start + s->budget_ns;
-        do
-            s->hit = try_read(fd, buf, len, &n);
-        while (!s->hit && !g_bridge.stop && now_ns(CLOCK_MONOTONIC) < deadline);
+    int spun = 0, hit = 0, crowded = 0, expected = 0;
+    if (spin_wanted(p) && __atomic_compare_exchange_n(&g_spinner, &expected, 1, 0,
+                                                      __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+        uint64_t start = now_ns(CLOCK_MONOTONIC), cpu = now_ns(CLOCK_THREAD_CPUTIME_ID);
+        uint64_t deadline = start + p->budget_ns, now;
+        do {
+            hit = try_read(fd, buf, len, &n);
+            now = now_ns(CLOCK_MONOTONIC);
+        } while (!hit && !g_bridge.stop && now < deadline);
         __atomic_store_n(&g_spinner, 0, __ATOMIC_RELEASE);
-        s->spun = 1;
-        s->crowded = ring_spin_crowded(start, cpu);
+        spun = 1;
+        crowded = 2 * (now_ns(CLOCK_THREAD_CPUTIME_ID) - cpu) < now - start;
     }
-    if (!s->hit) {
+    if (!hit) {
         bridge_count(BRIDGE_STAT_SPIN_PARKS);
         for (;;) {
             if (wait_readable(fd) < 0)
@@ -95,17 +143,17 @@ ssize_t spin_read(int fd, void *buf, size_t len, ring_spin_t *s)
     } else {
         bridge_count(BRIDGE_STAT_SPIN_HITS);
     }
-    ring_spin_end(s);
+    spin_noted(p, spun, hit, crowded);
     return n;
 }
 
 int bridge_test_spin(uint64_t budget_ns, const uint64_t *waits, const int *flags, uint32_t n,
                      int *wanted)
 {
-    ring_spin_t s = {.budget_ns = budget_ns};
+    struct spin_policy p = {.budget_ns = budget_ns};
     for (uint32_t i = 0; i < n; i++) {
-        wanted[i] = ring_spin_wanted(&s);
-        ring_spin_noted(&s, wanted[i], wanted[i] && waits[i] <= budget_ns, (flags[i] & 2) != 0);
+        wanted[i] = spin_wanted(&p);
+        spin_noted(&p, wanted[i], wanted[i] && waits[i] <= budget_ns, (flags[i] & 2) != 0);
     }
-    return ring_spin_wanted(&s);
+    return spin_wanted(&p);
 }

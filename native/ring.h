@@ -80,32 +80,6 @@ int ring_peek_length(ring_t *r);
  * 1 if it did, 0 if the time ran out. */
 int ring_spin_wait(ring_t *r, uint64_t spin_ns);
 
-/* Adaptive spinning for one wait site (see ring.c, "Spinning"): spin up to
- * budget_ns while enough recent spins caught the message (`miss_rate`, in
- * 1/256ths; otherwise every 8th wait probes) and no recent spin was crowded
- * off its CPU (`backoff`).  Private memory, one waiter at a time; zero it,
- * then set budget_ns (0: never spin). */
-typedef struct {
-    uint64_t budget_ns;
-    uint32_t miss_rate; /* 0: every recent spin hit (a fresh policy) */
-    uint32_t backoff;   /* waits left without a spin after a crowded one */
-    uint32_t skipped;   /* waits without a spin since the last probe */
-    int spun, hit, crowded; /* the current wait, as its waiter saw it */
-} ring_spin_t;
-
-/* Whether to spin for this wait (a probe counts as one). */
-int ring_spin_wanted(ring_spin_t *s);
-/* Record a wait: whether it spun, whether the message came while it spun,
- * and whether the spin was crowded off its CPU. */
-void ring_spin_noted(ring_spin_t *s, int spun, int hit, int crowded);
-/* The wait is over: record what s->spun, s->hit and s->crowded say of it. */
-void ring_spin_end(ring_spin_t *s);
-/* This thread's CPU time (CLOCK_THREAD_CPUTIME_ID; 0 if unknown), and whether
- * a spin since (wall_start, cpu_start) had less than half of its time on the
- * CPU (the policy then backs off). */
-uint64_t ring_thread_cpu_ns(void);
-int ring_spin_crowded(uint64_t wall_start, uint64_t cpu_start);
-
 /* Consumer, before blocking on the eventfd: set the parked flag, then look
  * at the ring again.  0: still empty, safe to block (the producer will see
  * the flag).  1: data arrived meanwhile; the flag was cleared, do not block. */

@@ -1,4 +1,4 @@
-"""The adaptive spin of every ring and bridge wait (native/ring.c, "Spinning").
+"""The adaptive spin of the bridge's wait for the kernel's next request (native/bridge_spin.c).
 
 The policy is pure arithmetic over what its caller saw, so it is checked here
 through bridge_test_spin against a model written from its rule (spin while at

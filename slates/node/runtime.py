@@ -44,6 +44,9 @@ __all__ = [
     "pid_alive",
 ]
 
+STATE_NAME = "anchor.json"  # the anchor's state file in the runtime directory
+STATE_TEMP = "anchor.tmp"  # written whole, then renamed over it (Runtime.write_state)
+
 
 def default_runtime_dir() -> Path:
     from pathlib import Path
@@ -150,7 +153,7 @@ class Runtime:
 
     @property
     def state_file(self) -> Path:
-        return self.path / "anchor.json"
+        return self.path / STATE_NAME
 
     @property
     def lost_file(self) -> Path:
@@ -229,7 +232,7 @@ class Runtime:
         state or the new, whole.  Through the descriptor (os.write, fchown, fchmod), not
         pathlib's text file and paths: a mount waits for this before its answer, and
         the text layer's calls and two path lookups cost it ~0.1-0.3 ms."""
-        tmp = self.file("anchor.tmp")
+        tmp = self.file(STATE_TEMP)
         data = json.dumps(state.to_json()).encode()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
@@ -241,11 +244,11 @@ class Runtime:
                 view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
-        os.replace(tmp, self.file("anchor.json"))
+        os.replace(tmp, self.file(STATE_NAME))
 
     def read_state(self) -> AnchorState:
         try:
-            with open(self.file("anchor.json"), "rb") as state_file:
+            with open(self.file(STATE_NAME), "rb") as state_file:
                 data = json.loads(state_file.read())
         except FileNotFoundError:
             raise NotFound(
