@@ -99,6 +99,10 @@ struct bridge_state {
     msgpack_unpacked unp;
     int unp_live;
     const char *cur_op;
+    /* A split request's raw tail (PROTOCOL.md, "Split requests"): sent after
+     * sbuf, which then holds the mark, the head's length and the head. */
+    const uint8_t *tail;
+    uint32_t tail_len;
     /* the session (bridge_session.c) */
     struct fuse_session *se;
     int writeback;

@@ -5,7 +5,8 @@
  * the liveness signal (any event on it means the shard is gone).
  *
  * Theory of operation: link_call sends the request that bridge_wire.c left
- * in g_bridge.sbuf and waits for the reply with the same sequence number:
+ * in g_bridge.sbuf (and, for a split request, the raw tail after it, both
+ * copied straight into the ring) and waits for the reply with the same sequence number:
  * it spins up to spin_ns (the shard's usual service time), then parks on
  * the reply eventfd, polled together with the socket.  One request is in
  * flight at a time (the rings are single-producer, single-consumer, and one
@@ -259,10 +260,10 @@ static int stopping_too_long(void)
 }
 
 /* 0: pushed; -EPIPE: connection lost; -EMSGSIZE: too large for the ring. */
-static int push_request(const uint8_t *msg, uint32_t len)
+static int push_request(const uint8_t *msg, uint32_t len, const uint8_t *tail, uint32_t tail_len)
 {
     for (;;) {
-        int rc = ring_push(&g_bridge.req, msg, len);
+        int rc = ring_push2(&g_bridge.req, msg, len, tail, tail_len);
         if (rc == 0)
             return ring_notify(&g_bridge.req, g_bridge.req_evfd) < 0 ? -EPIPE : 0;
         if (rc == -EMSGSIZE)
@@ -367,11 +368,11 @@ int link_call(const msgpack_object **result)
                 continue;
             }
         }
-        int rc = push_request(msg, len);
+        int rc = push_request(msg, len, g_bridge.tail, g_bridge.tail_len);
         int status = 0;
         if (rc == -EMSGSIZE) {
             fprintf(stderr, "slates-bridge: %s request of %u bytes exceeds the ring\n",
-                    g_bridge.cur_op, len);
+                    g_bridge.cur_op, len + g_bridge.tail_len);
             return EIO;
         }
         if (rc == 0)

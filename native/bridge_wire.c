@@ -183,12 +183,22 @@ static void kv_bin(const char *key, const void *p, size_t n)
     msgpack_pack_bin_body(&g_bridge.pk, p, n);
 }
 
-/* Start {"seq", "ack", "op", "args": ...}, up to the args' value. */
-void envelope_begin(const char *op)
+/* A split request starts with SPLIT_MARK (a byte msgpack never uses) and the
+ * head's length (u32, little-endian), patched in by split_end. */
+#define SPLIT_MARK 0xc1
+#define SPLIT_PREFIX 5u
+
+static void envelope_start(const char *op, int split)
 {
     link_lock(); /* the codec buffers are the link's: held until the request is done */
     codec_init();
     msgpack_sbuffer_clear(&g_bridge.sbuf);
+    g_bridge.tail = NULL;
+    g_bridge.tail_len = 0;
+    if (split) {
+        static const char prefix[SPLIT_PREFIX] = {(char)SPLIT_MARK, 0, 0, 0, 0};
+        msgpack_sbuffer_write(&g_bridge.sbuf, prefix, SPLIT_PREFIX);
+    }
     g_bridge.cur_seq = g_bridge.next_seq++;
     g_bridge.cur_op = op;
     msgpack_pack_map(&g_bridge.pk, 4);
@@ -201,13 +211,30 @@ void envelope_begin(const char *op)
     pack_cstr("args");
 }
 
+/* Start {"seq", "ack", "op", "args": ...}, up to the args' value. */
+void envelope_begin(const char *op) { envelope_start(op, 0); }
+
 /* Start {"seq", "ack", "op", "args": {"volume", ...nargs more}}. */
-static void req_begin(const char *op, uint32_t nargs)
+static void req_start(const char *op, uint32_t nargs, int split)
 {
-    envelope_begin(op);
+    envelope_start(op, split);
     msgpack_pack_map(&g_bridge.pk, nargs + 1);
     pack_cstr("volume");
     pack_cstr(g_bridge.volume);
+}
+
+static void req_begin(const char *op, uint32_t nargs) { req_start(op, nargs, 0); }
+
+/* End a split request's head: `data` goes after it as args.data, uncopied
+ * until the push copies it into the ring. */
+static void split_end(const void *data, size_t len)
+{
+    uint32_t head = (uint32_t)(g_bridge.sbuf.size - SPLIT_PREFIX);
+    uint8_t *at = (uint8_t *)g_bridge.sbuf.data + 1;
+    for (int i = 0; i < 4; i++)
+        at[i] = (uint8_t)(head >> (8 * i));
+    g_bridge.tail = data;
+    g_bridge.tail_len = (uint32_t)len;
 }
 
 /* -- per-op request encoders (shared by the callbacks and the tests) ---------- */
@@ -354,13 +381,14 @@ void enc_read(uint64_t ino, uint64_t offset, uint64_t size)
     kv_u64("size", size);
 }
 
+/* Split: the data is the raw tail (args.data), copied once, into the ring. */
 void enc_write(uint64_t ino, uint64_t offset, const void *data, size_t len)
 {
-    req_begin("fs.write", 4);
+    req_start("fs.write", 3, 1);
     kv_bool("attrs", 1);
     kv_u64("ino", ino);
     kv_u64("offset", offset);
-    kv_bin("data", data, len);
+    split_end(data, len);
 }
 
 void enc_statfs(void) { req_begin("fs.statfs", 0); }
@@ -666,11 +694,14 @@ static int test_encode(int which, uint8_t *out, uint32_t cap, char *op_out, uint
     case 27: enc_create(1, "c", S_IFREG | 0644, 1, 2, 0); break;
     default: return -ENOENT;
     }
-    if (g_bridge.sbuf.size > cap || strlen(g_bridge.cur_op) >= op_cap)
+    size_t size = g_bridge.sbuf.size + g_bridge.tail_len;
+    if (size > cap || strlen(g_bridge.cur_op) >= op_cap)
         return -EMSGSIZE;
     memcpy(out, g_bridge.sbuf.data, g_bridge.sbuf.size);
+    if (g_bridge.tail_len)
+        memcpy(out + g_bridge.sbuf.size, g_bridge.tail, g_bridge.tail_len);
     strcpy(op_out, g_bridge.cur_op);
-    return (int)g_bridge.sbuf.size;
+    return (int)size;
 }
 
 int bridge_test_decode_attr(const uint8_t *msg, uint32_t len, int64_t *out)

@@ -90,8 +90,12 @@ ffibuilder.cdef(
     int ring_init(void *mem, uint64_t mem_len, uint64_t capacity);
     int ring_attach(ring_t *r, void *mem, uint64_t mem_len);
     int ring_push(ring_t *r, const uint8_t *msg, uint32_t len);
+    int ring_push2(ring_t *r, const uint8_t *first, uint32_t alen, const uint8_t *body,
+                   uint32_t blen);
     int ring_pop(ring_t *r, uint8_t *out, uint32_t cap);
     int ring_peek_length(ring_t *r);
+    int ring_peek(ring_t *r, const uint8_t **payload);
+    int ring_consume(ring_t *r);
     int ring_spin_wait(ring_t *r, uint64_t spin_ns);
     int ring_prepare_park(ring_t *r);
     void ring_unpark(ring_t *r);

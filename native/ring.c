@@ -132,8 +132,15 @@ int ring_attach(ring_t *r, void *mem, uint64_t mem_len)
 
 int ring_push(ring_t *r, const uint8_t *msg, uint32_t len)
 {
-    if (len > ring_max_message(r))
+    return ring_push2(r, msg, len, NULL, 0);
+}
+
+int ring_push2(ring_t *r, const uint8_t *first, uint32_t alen, const uint8_t *body,
+               uint32_t blen)
+{
+    if (alen > ring_max_message(r) || blen > ring_max_message(r) - alen)
         return -EMSGSIZE;
+    uint32_t len = alen + blen;
     struct ring_shared *s = r->shared;
     uint64_t frame = align8(FRAME_HEADER + (uint64_t)len);
     uint64_t tail = atomic_load_explicit(&s->tail, memory_order_relaxed);
@@ -159,7 +166,9 @@ int ring_push(ring_t *r, const uint8_t *msg, uint32_t len)
         off = 0;
     }
     *(volatile uint32_t *)(r->data + off) = len;
-    memcpy(r->data + off + FRAME_HEADER, msg, len);
+    memcpy(r->data + off + FRAME_HEADER, first, alen);
+    if (blen)
+        memcpy(r->data + off + FRAME_HEADER + alen, body, blen);
     atomic_store_explicit(&s->tail, tail + frame, memory_order_release);
     return 0;
 }
@@ -210,6 +219,8 @@ int ring_peek_length(ring_t *r)
 
 int ring_pop(ring_t *r, uint8_t *out, uint32_t cap)
 {
+    if (r->peeked_end != 0)
+        return -EBUSY; /* ring_consume first: the peeked frame would be taken twice */
     uint64_t head, off;
     int len = next_frame(r, &head, &off);
     if (len < 0)
@@ -222,6 +233,27 @@ int ring_pop(ring_t *r, uint8_t *out, uint32_t cap)
     atomic_store_explicit(&r->shared->head, head + align8(FRAME_HEADER + (uint64_t)len),
                           memory_order_release);
     return len;
+}
+
+int ring_peek(ring_t *r, const uint8_t **payload)
+{
+    uint64_t head, off;
+    int len = next_frame(r, &head, &off);
+    if (len < 0)
+        return len;
+    *payload = r->data + off + FRAME_HEADER;
+    r->peeked_end = head + align8(FRAME_HEADER + (uint64_t)len);
+    return len;
+}
+
+int ring_consume(ring_t *r)
+{
+    if (r->peeked_end == 0)
+        return -EINVAL;
+    /* Release, as ring_pop's: the caller's reads come before the reuse. */
+    atomic_store_explicit(&r->shared->head, r->peeked_end, memory_order_release);
+    r->peeked_end = 0;
+    return 0;
 }
 
 static inline int has_data(ring_t *r)

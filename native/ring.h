@@ -44,6 +44,7 @@ typedef struct {
     uint64_t mask;
     uint64_t cached_head; /* producer's lower bound on the consumer's head */
     uint64_t cached_tail; /* consumer's lower bound on the producer's tail */
+    uint64_t peeked_end;  /* consumer: where the frame ring_peek returned ends, or 0 */
 } ring_t;
 
 /* Bytes of shared memory needed for a ring of `capacity` data bytes, or 0
@@ -67,14 +68,32 @@ int ring_attach(ring_t *r, void *mem, uint64_t mem_len);
  * ring_max_message), -EBADMSG (the shared indices are corrupt). */
 int ring_push(ring_t *r, const uint8_t *msg, uint32_t len);
 
+/* Producer.  ring_push of one message made of two parts (`first` then
+ * `body`), each copied once into the frame: a large payload need not be
+ * joined to its envelope first.  Same errors, for alen + blen. */
+int ring_push2(ring_t *r, const uint8_t *first, uint32_t alen, const uint8_t *body,
+               uint32_t blen);
+
 /* Consumer.  Payload length copied into `out`, -EAGAIN (empty), -EMSGSIZE
  * (cap too small; the message stays queued, ring_peek_length tells the size
- * needed), -EBADMSG (corrupt header, index or frame). */
+ * needed), -EBADMSG (corrupt header, index or frame), -EBUSY (a ring_peek
+ * is held: ring_consume it first). */
 int ring_pop(ring_t *r, uint8_t *out, uint32_t cap);
 
 /* Consumer.  Length of the next message without consuming it; same errors
  * as ring_pop. */
 int ring_peek_length(ring_t *r);
+
+/* Consumer.  The next message in place: its length, with *payload pointing
+ * into the shared data area, until ring_consume.  Same errors as ring_pop
+ * (-EMSGSIZE aside).  The peer may still write those bytes: a caller copies
+ * what it keeps and validates what it copied (a decoder that reads each
+ * byte once into private objects does both), never reading a byte twice. */
+int ring_peek(ring_t *r, const uint8_t **payload);
+
+/* Consumer.  Release the message ring_peek returned (0), or -EINVAL when
+ * none is held. */
+int ring_consume(ring_t *r);
 
 /* Consumer.  Busy-wait up to spin_ns for the ring to become non-empty:
  * 1 if it did, 0 if the time ran out. */

@@ -1,9 +1,11 @@
 """The wire's framing and packing, shared by the shards and the clients.
 
 Theory of operation: every message is one msgpack map (`pack`, `unpack`,
-with the options both sides use); on a stream it travels as a frame, a
-4-byte big-endian length then the map (`frame`, `FrameReader`, bounded by
-MAX_FRAME and, for a shard, by the principal's `Budget`); a reply is
+with the options both sides use), or, on a ring, a split request whose raw
+tail is its args.data (SPLIT_MARK; `unpack_request`, `unpack_parts`); on a
+stream it travels as a frame, a 4-byte big-endian length then the map
+(`frame`, `FrameReader`, bounded by MAX_FRAME and, for a shard, by the
+principal's `Budget`); a reply is
 {"seq", "ok", "result"} or {"seq", "ok": false, "error"} (`reply_parts`,
 `check_ok`); an id names its shard (`shard_of`).  slates.node.protocol
 holds the rest of the protocol (hello and request records, the shard's
@@ -31,10 +33,16 @@ __all__ = [
     "reply_parts",
     "shard_of",
     "unpack",
+    "unpack_parts",
+    "unpack_request",
 ]
 
 MAX_FRAME = 64 << 20
 _LENGTH = struct.Struct(">I")
+# A split request (slates/fuse/PROTOCOL.md): SPLIT_MARK, a byte msgpack never uses,
+# the msgpack head's length (SPLIT_PREFIX), the head, then the raw tail.
+SPLIT_MARK = 0xC1
+SPLIT_PREFIX = struct.Struct("<BI")
 
 
 def pack(message: dict[str, Any]) -> bytes:
@@ -51,6 +59,28 @@ def unpack(payload: bytes | memoryview) -> dict[str, Any]:
         raise InvalidArgument("undecodable message", reason=str(exc)) from None
     if not isinstance(message, dict):
         raise InvalidArgument("a message must be a map")
+    return message
+
+
+def unpack_request(message: bytes | memoryview) -> dict[str, Any]:
+    """`unpack` of a request as a ring carries it: a split request too."""
+    if len(message) < SPLIT_PREFIX.size or message[0] != SPLIT_MARK:
+        return unpack(message)
+    _mark, head_len = SPLIT_PREFIX.unpack(message[: SPLIT_PREFIX.size])
+    split = SPLIT_PREFIX.size + head_len
+    if split > len(message):
+        raise InvalidArgument("a split request's head overruns it", size=len(message))
+    return unpack_parts(bytes(message[SPLIT_PREFIX.size : split]), bytes(message[split:]))
+
+
+def unpack_parts(head: bytes, tail: bytes) -> dict[str, Any]:
+    """A split request (slates/fuse/PROTOCOL.md): its msgpack head, with the raw tail
+    as args.data (the very bytes object: a large write's data is not copied again)."""
+    message = unpack(head)
+    args = message.get("args")
+    if not isinstance(args, dict) or "data" in args:
+        raise InvalidArgument("a split request's args must be a map without data")
+    args["data"] = tail
     return message
 
 

@@ -48,6 +48,7 @@ from slates.node.protocol import (
     parse_hello,
     parse_request,
     unpack,
+    unpack_request,
 )
 from slates.node.ring import RingPair
 from slates.node.runtime import AnchorState, Runtime, ShardInfo
@@ -98,7 +99,7 @@ def _encoded(which: int) -> tuple[str, dict[str, Any]] | None:
     if n == -errno.ENOENT:
         return None
     assert n > 0
-    message = msgpack.unpackb(bytes(ffi.buffer(out, n)), raw=False)
+    message = unpack_request(bytes(ffi.buffer(out, n)))  # a split request too
     assert isinstance(message, dict)
     return ffi.string(op).decode(), message
 
@@ -415,7 +416,7 @@ class FakeShard:
                 message = pair.requests.receive_blocking(timeout=0.05)
                 if message is None:
                     continue
-                request = parse_request(unpack(message))
+                request = parse_request(unpack_request(message))
                 with self.lock:
                     self.seen.append((client, request.seq, request.op))
                 while self.hold.is_set() and not self.stopping.is_set():

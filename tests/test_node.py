@@ -27,6 +27,7 @@ from slates import AsyncClient, Client
 from slates.errors import CapacityExhausted, InvalidArgument, NotFound, RequestExpired
 from slates.node.protocol import FrameReader, frame, pack, unpack
 from slates.node.ring import RingPair
+from slates.wire import SPLIT_MARK, SPLIT_PREFIX
 from tests.anchor_fixture import Service, checkpointing_service, service, start_service
 
 __all__ = ["checkpointing_service", "service"]  # fixtures, re-exported for pytest
@@ -204,9 +205,20 @@ def test_hostile_clients_get_errors_and_cannot_crash_a_shard(service: Service) -
         _data, ancillary, _flags, _addr = sock.recvmsg(65536, socket.CMSG_SPACE(16))
         fds = [fd for *_, payload in ancillary for fd in struct.unpack("4i", payload[:16])]
         with RingPair.attach(fds) as pair:
-            assert pair.requests.push(b"\x00\xff garbage")
-            reply = unpack(pair.replies.receive_blocking(timeout=30) or b"")
-            assert reply["ok"] is False
+            head = pack({"seq": 1, "ack": 0, "op": "status", "args": {"data": b"x"}})
+            listless = pack({"seq": 1, "ack": 0, "op": "status", "args": [1]})
+            for garbage in (
+                b"\x00\xff garbage",
+                # Split requests (PROTOCOL.md): a head that overruns the message, a
+                # head that is not msgpack, args that already hold data or are no map.
+                SPLIT_PREFIX.pack(SPLIT_MARK, 1 << 20) + b"short",
+                SPLIT_PREFIX.pack(SPLIT_MARK, 3) + b"\xc1\xc1\xc1tail",
+                SPLIT_PREFIX.pack(SPLIT_MARK, len(head)) + head + b"tail",
+                SPLIT_PREFIX.pack(SPLIT_MARK, len(listless)) + listless + b"tail",
+            ):
+                assert pair.requests.push(garbage)
+                reply = unpack(pair.replies.receive_blocking(timeout=30) or b"")
+                assert reply["ok"] is False, garbage
     assert service.shard_pids() == pids  # no shard died
     with Client(service.runtime) as client:
         assert client.status()["shards"][0]["pid"] == pids[0]

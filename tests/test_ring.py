@@ -24,7 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import slates.node.ring
 from slates.errors import InvalidArgument, VerificationFailed
-from slates.node.ring import MAX_SPIN_NS, MIN_SPIN_NS, Ring, RingPair, calibrate_spin
+from slates.node.ring import MAX_SPIN_NS, MIN_SPIN_NS, Parts, Ring, RingPair, calibrate_spin
+from slates.wire import SPLIT_MARK, SPLIT_PREFIX
 
 # By name: the compiled module has no .py or .pyi, so ruff's import sorting
 # would take a plain import of it for a third-party module.
@@ -61,6 +62,34 @@ def ring() -> Iterator[Ring]:
 
 
 # --- basic behaviour ------------------------------------------------------
+
+
+def test_a_message_pushed_in_two_parts_is_the_two_joined(ring: Ring) -> None:
+    lib = _native.lib
+    handle = ring._live()
+    assert lib.ring_push2(handle, b"head-", 5, b"and the body", 12) == 0
+    assert lib.ring_push2(handle, b"", 0, b"", 0) == 0
+    assert ring.pop() == b"head-and the body"
+    assert ring.pop() == b""
+    most = ring.max_message
+    assert lib.ring_push2(handle, b"a" * most, most, b"b", 1) == -errno.EMSGSIZE
+    assert lib.ring_push2(handle, b"a", 1, b"b" * most, most) == -errno.EMSGSIZE
+    assert ring.pop() is None
+
+
+def test_a_peeked_message_stays_until_consumed(ring: Ring) -> None:
+    lib = _native.lib
+    handle = ring._live()
+    payload = _native.ffi.new("const uint8_t **")
+    assert lib.ring_consume(handle) == -errno.EINVAL  # nothing peeked
+    assert ring.push(b"first") and ring.push(b"second")
+    assert lib.ring_peek(handle, payload) == 5
+    assert bytes(_native.ffi.buffer(payload[0], 5)) == b"first"
+    out = _native.ffi.new("uint8_t[]", 64)
+    assert lib.ring_pop(handle, out, 64) == -errno.EBUSY  # it would be taken twice
+    assert lib.ring_consume(handle) == 0
+    assert lib.ring_consume(handle) == -errno.EINVAL
+    assert ring.pop() == b"second"
 
 
 def test_roundtrip(ring: Ring) -> None:
@@ -322,6 +351,34 @@ class RingAgainstDeque(RuleBasedStateMachine):
             return
         assert got == self.messages.popleft()
         self.used -= self.charges.popleft()
+
+    @rule(
+        head=st.binary(max_size=40),
+        tail=st.binary(max_size=40),
+        overrun=st.integers(min_value=0, max_value=3),
+    )
+    def push_split(self, head: bytes, tail: bytes, overrun: int) -> None:
+        """A split message, its head length honest or (overrun) past its end."""
+        claimed = len(head) + len(tail) + overrun if overrun else len(head)
+        self.push(SPLIT_PREFIX.pack(SPLIT_MARK, claimed) + head + tail)
+
+    @rule()
+    def pop_request(self) -> None:
+        """As pop, but a split message comes as its parts; one whose head overruns it
+        comes whole, as any other message does."""
+        if not self.messages:
+            assert self.ring.pop_request() is None
+            return
+        want = self.messages.popleft()
+        self.used -= self.charges.popleft()
+        got = self.ring.pop_request()
+        if len(want) >= SPLIT_PREFIX.size and want[0] == SPLIT_MARK:
+            _mark, head_len = SPLIT_PREFIX.unpack(want[: SPLIT_PREFIX.size])
+            split = SPLIT_PREFIX.size + head_len
+            if split <= len(want):
+                assert got == Parts(want[SPLIT_PREFIX.size : split], want[split:])
+                return
+        assert isinstance(got, memoryview) and bytes(got) == want
 
     @rule(extra=st.integers(min_value=1, max_value=64))
     def push_oversized(self, extra: int) -> None:

@@ -37,6 +37,8 @@ from slates.wire import (
     reply_parts,
     shard_of,
     unpack,
+    unpack_parts,
+    unpack_request,
 )
 
 __all__ = [
@@ -48,6 +50,8 @@ __all__ = [
     "Reply",
     "pack",
     "unpack",
+    "unpack_parts",
+    "unpack_request",
     "frame",
     "FrameReader",
     "Budget",

@@ -40,8 +40,9 @@ or other-boot file means calibrating again, and a runtime directory we
 cannot write only means the next process calibrates too.
 
 Callers: the anchor creates rings and passes their fds; daemon shards
-consume requests with `receive_view` (trio; the message is decoded before
-the next is taken, so it is not copied out of the ring's buffer) and push
+consume requests with `receive_request` (trio; the message is decoded before
+the next is taken, so it is not copied out of the ring's buffer, and a split
+message's raw tail, a large write's data, is copied out once) and push
 replies; clients (SDK, CLI) push requests and wait for replies with `receive` or `receive_blocking`.
 Messages are opaque bytes here; the protocol layer encodes them (msgpack).
 """
@@ -61,13 +62,25 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from slates._native import ffi, lib
 from slates.errors import InvalidArgument, VerificationFailed
+from slates.wire import SPLIT_MARK, SPLIT_PREFIX
 
-_Message = TypeVar("_Message", bytes, memoryview)
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """A split message out of the ring: its msgpack head and its raw tail, each its
+    own private copy (see `Ring.pop_request`)."""
+
+    head: bytes
+    tail: bytes
+
+
+_Message = TypeVar("_Message", bound=bytes | memoryview | Parts)
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -75,6 +88,7 @@ __all__ = [
     "MIN_CAPACITY",
     "MAX_SPIN_NS",
     "MIN_SPIN_NS",
+    "Parts",
     "Ring",
     "RingPair",
     "SPIN_CACHE_NAME",
@@ -153,6 +167,7 @@ class Ring:
         self.spin_ns = default_spin_ns() if spin_ns is None else spin_ns
         # Uncleared, so a ring this process only produces into costs no pages.
         self._out = _alloc_uncleared("uint8_t[]", self.max_message)
+        self._peeked = ffi.new("const uint8_t **")
         self._poll = select.poll()
         self._poll.register(eventfd, select.POLLIN)
 
@@ -226,6 +241,31 @@ class Ring:
             return None
         raise VerificationFailed("corrupt message in ring", reason=os.strerror(-n))
 
+    def pop_request(self) -> memoryview | Parts | None:
+        """`pop_view`, except that a split message comes as its `Parts`: the head and
+        the tail each copied once out of the shared area into bytes of their own, so a
+        large write's data is never copied again on its way to the volume.  Every value
+        is read from the shared area once, into private memory, before it is used."""
+        ring = self._live()
+        n = lib.ring_peek(ring, self._peeked)
+        if n < 0:
+            if n == -errno.EAGAIN:
+                return None
+            raise VerificationFailed("corrupt message in ring", reason=os.strerror(-n))
+        try:
+            frame = ffi.buffer(self._peeked[0], n)
+            if n >= SPLIT_PREFIX.size:
+                mark, head_len = SPLIT_PREFIX.unpack(frame[0 : SPLIT_PREFIX.size])
+                if mark == SPLIT_MARK and head_len <= n - SPLIT_PREFIX.size:
+                    split = SPLIT_PREFIX.size + head_len
+                    return Parts(frame[SPLIT_PREFIX.size : split], frame[split:n])
+            # Any other message, a malformed split one too (which then fails to
+            # decode, as any garbage does), as pop_view gives it.
+            ffi.memmove(self._out, self._peeked[0], n)
+            return memoryview(ffi.buffer(self._out, n))
+        finally:
+            lib.ring_consume(ring)
+
     def pop(self) -> bytes | None:
         """Take the next message, or None when the ring is empty."""
         view = self.pop_view()
@@ -235,10 +275,10 @@ class Ring:
         """Wait (trio) for the next message: spin for `spin_ns`, then park."""
         return await self._receive(self.pop)
 
-    async def receive_view(self) -> memoryview:
-        """`receive` without the copy (`pop_view`): for a consumer that decodes each
+    async def receive_request(self) -> memoryview | Parts:
+        """`receive` without the copy (`pop_request`): for a consumer that decodes each
         message before it takes the next (the shard)."""
-        return await self._receive(self.pop_view)
+        return await self._receive(self.pop_request)
 
     async def _receive(self, pop: Callable[[], _Message | None]) -> _Message:
         import trio  # here, so that processes without trio (the bridge) start quickly

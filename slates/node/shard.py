@@ -104,8 +104,10 @@ from slates.node.protocol import (
     parse_hello,
     parse_request,
     unpack,
+    unpack_parts,
+    unpack_request,
 )
-from slates.node.ring import RingPair, cached_spin_ns
+from slates.node.ring import Parts, RingPair, cached_spin_ns
 from slates.node.runtime import Runtime
 from slates.node.service import READ_ONLY_OPS, ShardService
 
@@ -378,10 +380,15 @@ class Shard:
         _failpoint_after_commit()
         self._account_segments()
 
-    def handle(self, hello: Hello, message: bytes | memoryview) -> bytes | Job:
+    def handle(self, hello: Hello, message: bytes | memoryview | Parts) -> bytes | Job:
         """One request's packed reply, or the job a long request became (see answer)."""
         try:
-            request = parse_request(unpack(message))
+            decoded = (
+                unpack_parts(message.head, message.tail)
+                if isinstance(message, Parts)
+                else unpack_request(message)
+            )
+            request = parse_request(decoded)
         except SlatesError as exc:
             return pack(error_reply(0, exc))
         if self._checkpoint_due():
@@ -434,7 +441,7 @@ class Shard:
         error = reply.get("error")
         return isinstance(error, dict) and error.get("code") == "CapacityExhausted"
 
-    async def answer(self, hello: Hello, message: bytes | memoryview) -> bytes:
+    async def answer(self, hello: Hello, message: bytes | memoryview | Parts) -> bytes:
         """The packed reply to one request; a long request's job runs to its end here,
         its I/O in worker threads and other connections' requests between its steps."""
         outcome = self.handle(hello, message)
@@ -609,7 +616,7 @@ class Shard:
                 # the socket's end is also the client's end.
                 nursery.start_soon(self._socket_requests, conn, reader, hello, nursery.cancel_scope)
                 while True:
-                    message = await pair.requests.receive_view()
+                    message = await pair.requests.receive_request()
                     reply = await self.answer(hello, message)
                     await self.deliver(hello.client)
                     if len(reply) > pair.replies.max_message:
