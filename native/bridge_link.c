@@ -6,19 +6,21 @@
  *
  * Theory of operation: link_call sends the request that bridge_wire.c left
  * in g_bridge.sbuf (and, for a split request, the raw tail after it, both
- * copied straight into the ring) and waits for the reply with the same sequence number:
- * it spins up to spin_ns (the shard's usual service time), then parks on
- * the reply eventfd, polled together with the socket.  One request is in
- * flight at a time (the rings are single-producer, single-consumer, and one
- * loop thread at a time holds the link: see "Threads" below), so a reply
- * with a lower seq answers a request given up on and is skipped, and any
- * other seq is a broken link.  When the shard goes away, the link
- * detaches, asks Python for a fresh hello (bridge_reconnect_cb) and resends the same bytes with the same seq, so a
+ * copied straight into the ring) and waits for the reply with the same
+ * sequence number: it spins up to spin_ns (the shard's usual service time),
+ * then parks on the reply eventfd, polled together with the socket.  One
+ * request is in flight at a time (the rings are single-producer,
+ * single-consumer, and one loop thread at a time holds the link: see
+ * "Threads" below), so a reply with a lower seq answers a request given up
+ * on and is skipped, and any other seq is a broken link.  When the shard
+ * goes away, the link detaches, asks Python for a fresh hello
+ * (bridge_reconnect_cb) and resends the same bytes with the same seq, so a
  * request the old shard had already applied is answered from its saved
- * result; after BRIDGE_RECONNECT_SECONDS without a shard, or SHUTDOWN_GRACE_NS
- * after being told to stop, the request fails with EIO.  Everything the
- * shard put in shared memory is validated before use (ring.c); memfds must
- * be sealed against shrinking so a peer cannot pull pages from under us.
+ * result; after BRIDGE_RECONNECT_SECONDS without a shard, or
+ * SHUTDOWN_GRACE_NS after being told to stop, the request fails with EIO.
+ * Everything the shard put in shared memory is validated before use
+ * (ring.c); memfds must be sealed against shrinking so a peer cannot pull
+ * pages from under us.
  *
  * Threads: several loop threads (bridge_loop.c) answer kernel requests, but
  * the link, the codec buffers (bridge_wire.c) and the decoded reply belong

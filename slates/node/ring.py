@@ -244,7 +244,7 @@ class Ring:
     def pop_request(self) -> memoryview | Parts | None:
         """`pop_view`, except that a split message comes as its `Parts`: the head and
         the tail each copied once out of the shared area into bytes of their own, so a
-        large write's data is never copied again on its way to the volume.  Every value
+        large write's data reaches the volume without another copy (msgpack's).  Every value
         is read from the shared area once, into private memory, before it is used."""
         ring = self._live()
         n = lib.ring_peek(ring, self._peeked)
