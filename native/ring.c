@@ -217,24 +217,6 @@ int ring_peek_length(ring_t *r)
     return next_frame(r, &head, &off);
 }
 
-int ring_pop(ring_t *r, uint8_t *out, uint32_t cap)
-{
-    if (r->peeked_end != 0)
-        return -EBUSY; /* ring_consume first: the peeked frame would be taken twice */
-    uint64_t head, off;
-    int len = next_frame(r, &head, &off);
-    if (len < 0)
-        return len;
-    if ((uint32_t)len > cap)
-        return -EMSGSIZE;
-    memcpy(out, r->data + off + FRAME_HEADER, (size_t)len);
-    /* Release: our reads of the payload happen before the producer may reuse
-     * the space. */
-    atomic_store_explicit(&r->shared->head, head + align8(FRAME_HEADER + (uint64_t)len),
-                          memory_order_release);
-    return len;
-}
-
 int ring_peek(ring_t *r, const uint8_t **payload)
 {
     uint64_t head, off;
@@ -250,10 +232,28 @@ int ring_consume(ring_t *r)
 {
     if (r->peeked_end == 0)
         return -EINVAL;
-    /* Release, as ring_pop's: the caller's reads come before the reuse. */
+    /* Release: the caller's reads of the payload happen before the producer
+     * may reuse the space. */
     atomic_store_explicit(&r->shared->head, r->peeked_end, memory_order_release);
     r->peeked_end = 0;
     return 0;
+}
+
+int ring_pop(ring_t *r, uint8_t *out, uint32_t cap)
+{
+    if (r->peeked_end != 0)
+        return -EBUSY; /* ring_consume first: the peeked frame would be taken twice */
+    const uint8_t *payload;
+    int len = ring_peek(r, &payload);
+    if (len < 0)
+        return len;
+    if ((uint32_t)len > cap) {
+        r->peeked_end = 0; /* the message stays queued */
+        return -EMSGSIZE;
+    }
+    memcpy(out, payload, (size_t)len);
+    (void)ring_consume(r); /* held: it cannot fail */
+    return len;
 }
 
 static inline int has_data(ring_t *r)

@@ -32,6 +32,7 @@ __all__ = [
     "pack",
     "reply_parts",
     "shard_of",
+    "split_point",
     "unpack",
     "unpack_parts",
     "unpack_request",
@@ -62,14 +63,24 @@ def unpack(payload: bytes | memoryview) -> dict[str, Any]:
     return message
 
 
+def split_point(prefix: bytes, size: int) -> int | None:
+    """Where the head of a split request of `size` bytes that starts with `prefix`
+    ends (its tail starts), or None when it is no well-formed split request: it
+    then decodes as any other message would (and, starting with SPLIT_MARK, fails)."""
+    if size < SPLIT_PREFIX.size or len(prefix) < SPLIT_PREFIX.size:
+        return None
+    mark, head_len = SPLIT_PREFIX.unpack(prefix[: SPLIT_PREFIX.size])
+    if mark != SPLIT_MARK or head_len > size - SPLIT_PREFIX.size:
+        return None
+    split: int = SPLIT_PREFIX.size + head_len
+    return split
+
+
 def unpack_request(message: bytes | memoryview) -> dict[str, Any]:
     """`unpack` of a request as a ring carries it: a split request too."""
-    if len(message) < SPLIT_PREFIX.size or message[0] != SPLIT_MARK:
+    split = split_point(bytes(message[: SPLIT_PREFIX.size]), len(message))
+    if split is None:
         return unpack(message)
-    _mark, head_len = SPLIT_PREFIX.unpack(message[: SPLIT_PREFIX.size])
-    split = SPLIT_PREFIX.size + head_len
-    if split > len(message):
-        raise InvalidArgument("a split request's head overruns it", size=len(message))
     return unpack_parts(bytes(message[SPLIT_PREFIX.size : split]), bytes(message[split:]))
 
 

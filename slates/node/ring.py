@@ -68,7 +68,7 @@ from typing import Any, Self, TypeVar
 
 from slates._native import ffi, lib
 from slates.errors import InvalidArgument, VerificationFailed
-from slates.wire import SPLIT_MARK, SPLIT_PREFIX
+from slates.wire import SPLIT_PREFIX, split_point
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,13 +254,10 @@ class Ring:
             raise VerificationFailed("corrupt message in ring", reason=os.strerror(-n))
         try:
             frame = ffi.buffer(self._peeked[0], n)
-            if n >= SPLIT_PREFIX.size:
-                mark, head_len = SPLIT_PREFIX.unpack(frame[0 : SPLIT_PREFIX.size])
-                if mark == SPLIT_MARK and head_len <= n - SPLIT_PREFIX.size:
-                    split = SPLIT_PREFIX.size + head_len
-                    return Parts(frame[SPLIT_PREFIX.size : split], frame[split:n])
-            # Any other message, a malformed split one too (which then fails to
-            # decode, as any garbage does), as pop_view gives it.
+            split = split_point(frame[0 : SPLIT_PREFIX.size], n)
+            if split is not None:
+                return Parts(frame[SPLIT_PREFIX.size : split], frame[split:n])
+            # Any other message, a malformed split one too, as pop_view gives it.
             ffi.memmove(self._out, self._peeked[0], n)
             return memoryview(ffi.buffer(self._out, n))
         finally:
