@@ -49,7 +49,9 @@
 #define BRIDGE_STAT_SPIN_HITS 74 /* request waits a spin ended (bridge_spin.c) */
 #define BRIDGE_STAT_SPIN_PARKS 75 /* request waits that parked (bridge_spin.c) */
 #define BRIDGE_STAT_READAHEADS 76 /* clean files read ahead (bridge_prefetch.c) */
-#define BRIDGE_COUNTERS 77
+#define BRIDGE_STAT_BEHIND_WRITES 77 /* writes answered before the shard (bridge_behind.c) */
+#define BRIDGE_STAT_BEHIND_REPLIES 78 /* the shard's later replies to them */
+#define BRIDGE_COUNTERS 79
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
 
 /* Volume id and the ring spin budget (ns).  Call once, first. */
@@ -86,6 +88,8 @@ int bridge_set_threads(unsigned n);
 /* List a clean directory through the mount when the kernel first looks a
  * name up in it (default on; before bridge_mount): 0 or -EBUSY. */
 int bridge_set_prefetch(int on);
+/* Write-behind under the shard's grants (bridge_behind.c); before mounting. */
+int bridge_set_write_behind(int on);
 /* With prefetch, also read the walked directories' small regular files
  * through the mount once their listings are done (default on; before
  * bridge_mount): 0 or -EBUSY. */

@@ -5,9 +5,11 @@
  *   bridge_wire.c     msgpack encoding of fs.* requests and decoding of the
  *                     shard's replies (slates/fuse/PROTOCOL.md), the errno
  *                     table; pure: no I/O, only the codec buffers below.
- *   bridge_link.c     the shard connection: the ring pair, one request in
- *                     flight, the reply wait (spin, then park), reconnect
- *                     and resend; the request counters.
+ *   bridge_link.c     the shard connection: the ring pair, one request
+ *                     waited for at a time, the reply wait (spin, then
+ *                     park), reconnect and resend; the request counters.
+ *   bridge_behind.c   write-behind under the shard's grants: writes answered
+ *                     before their replies, kept for a resend until then.
  *   bridge_cache.c    what the bridge answers without asking the shard: the
  *                     xattr names known to be absent, per inode.
  *   bridge_attr.c     the attributes a mutation's reply carried, answering
@@ -166,6 +168,11 @@ BRIDGE_INTERNAL void enc_create(uint64_t parent, const char *name, uint32_t mode
                                 uint32_t gid, int exclusive);
 BRIDGE_INTERNAL void enc_read(uint64_t ino, uint64_t offset, uint64_t size);
 BRIDGE_INTERNAL void enc_write(uint64_t ino, uint64_t offset, const void *data, size_t len);
+/* fs.write asking for a grant ("behind": bridge_behind.c), and one sent under it
+ * ("granted", no attrs). */
+BRIDGE_INTERNAL void enc_write_asking(uint64_t ino, uint64_t offset, const void *data, size_t len);
+BRIDGE_INTERNAL void enc_write_granted(uint64_t ino, uint64_t offset, const void *data,
+                                       size_t len);
 /* Mutations' encoders ask for the ATTRs they produce ("attrs": true,
  * slates/node/fsops.py; bridge_attr.c keeps them). */
 BRIDGE_INTERNAL void enc_statfs(void);
@@ -229,6 +236,38 @@ BRIDGE_INTERNAL void bridge_count(int slot);
  * resending the same bytes when the shard goes away: 0 with *result, or a
  * positive errno.  *result points into g_bridge.unp until the next call. */
 BRIDGE_INTERNAL int link_call(const msgpack_object **result);
+/* Push the request in g_bridge.sbuf (and its tail) without waiting: 0, or
+ * -EPIPE / -EMSGSIZE; no reconnect (bridge_behind.c's early answers). */
+BRIDGE_INTERNAL int link_push_current(void);
+/* Push one saved request again, as it was (bridge_behind.c's resend). */
+BRIDGE_INTERNAL int link_push_bytes(const uint8_t *msg, uint32_t len);
+/* Wait for the reply to the oldest write answered early: 0 once it is taken,
+ * or -EPIPE (the link is then detached: the next link_call reconnects). */
+BRIDGE_INTERNAL int link_wait_oldest(void);
+
+/* -- bridge_behind.c ---------------------------------------------------------- */
+
+/* Whether this mount asks for grants (write-behind on, write-through cache). */
+BRIDGE_INTERNAL int behind_wanted(void);
+/* The grant ends (any request other than a write under it is being sent). */
+BRIDGE_INTERNAL void behind_end_grant(void);
+/* A synchronous write's reply granted `bytes` more from `end` on inode `ino`. */
+BRIDGE_INTERNAL void behind_granted(uint64_t ino, uint64_t end, int64_t bytes);
+/* Send this write under the grant and answer it early: 1 when sent (answer
+ * the kernel now), 0 when it must go the usual way. */
+BRIDGE_INTERNAL int behind_try(uint64_t ino, uint64_t off, const char *buf, size_t size);
+/* The latched error of a write answered early to `ino` (0: none), cleared. */
+BRIDGE_INTERNAL int behind_take_error(uint64_t ino);
+/* The reply wait's hook: 1 when `seq` is the oldest early-answered write's
+ * reply (taken here), else 0. */
+BRIDGE_INTERNAL int link_take_behind(uint64_t seq, int status, const msgpack_object *result);
+/* The seq of the oldest early-answered write, 0 when none. */
+BRIDGE_INTERNAL uint64_t behind_oldest(void);
+/* The "ack" a request of sequence `seq` carries: below every unanswered write. */
+BRIDGE_INTERNAL uint64_t link_ack(uint64_t seq);
+/* Around a detach and the next hello (see bridge_behind.c). */
+BRIDGE_INTERNAL void behind_save(void);
+BRIDGE_INTERNAL int behind_resend(void);
 
 /* -- bridge_cache.c ----------------------------------------------------------- */
 

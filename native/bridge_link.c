@@ -9,12 +9,16 @@
  * copied straight into the ring) and waits for the reply with the same
  * sequence number: it spins up to spin_ns (the shard's usual service time),
  * then parks on the reply eventfd, polled together with the socket.  One
- * request is in flight at a time (the rings are single-producer,
+ * request is waited for at a time (the rings are single-producer,
  * single-consumer, and one loop thread at a time holds the link: see
- * "Threads" below), so a reply with a lower seq answers a request given up
- * on and is skipped, and any other seq is a broken link.  When the shard
- * goes away, the link detaches, asks Python for a fresh hello
- * (bridge_reconnect_cb) and resends the same bytes with the same seq, so a
+ * "Threads" below); the only others in flight are writes answered early
+ * (bridge_behind.c), whose replies come first and are handed to
+ * link_take_behind.  Any other reply with a lower seq answers a request
+ * given up on and is skipped, and any other seq is a broken link.  When the
+ * shard goes away, the link detaches (bridge_detach first copies the
+ * early-answered writes out of the ring: behind_save), asks Python for a
+ * fresh hello (bridge_reconnect_cb), sends those writes again
+ * (behind_resend), then resends the same bytes with the same seq, so a
  * request the old shard had already applied is answered from its saved
  * result; after BRIDGE_RECONNECT_SECONDS without a shard, or
  * SHUTDOWN_GRACE_NS after being told to stop, the request fails with EIO.
@@ -137,6 +141,8 @@ static void close_fd(int *fd)
 
 void bridge_detach(void)
 {
+    if (g_bridge.attached)
+        behind_save(); /* answered writes must outlive this ring (bridge_behind.c) */
     g_bridge.attached = 0;
     if (g_bridge.req_map != NULL) {
         munmap(g_bridge.req_map, g_bridge.req_len);
@@ -261,6 +267,8 @@ static int stopping_too_long(void)
     return now - g_bridge.stop_ns > SHUTDOWN_GRACE_NS;
 }
 
+static int wait_reply(uint64_t want, int *status, const msgpack_object **result);
+
 /* 0: pushed; -EPIPE: connection lost; -EMSGSIZE: too large for the ring. */
 static int push_request(const uint8_t *msg, uint32_t len, const uint8_t *tail, uint32_t tail_len)
 {
@@ -272,16 +280,31 @@ static int push_request(const uint8_t *msg, uint32_t len, const uint8_t *tail, u
             return rc;
         if (rc != -EAGAIN || !shard_alive())
             return -EPIPE;
+        /* Full of frames kept for writes answered early: take their replies. */
+        if (behind_oldest() != 0) {
+            if (link_wait_oldest() != 0)
+                return -EPIPE;
+            continue;
+        }
         /* Bounded ring and the shard is behind: wait for it to drain. */
         struct timespec ts = {.tv_sec = 0, .tv_nsec = 50000};
         nanosleep(&ts, NULL);
     }
 }
 
-/* Wait for the reply to g_bridge.cur_seq.  0: decoded (*status holds 0 with
+int link_push_current(void)
+{
+    const uint8_t *msg = (const uint8_t *)g_bridge.sbuf.data;
+    return push_request(msg, (uint32_t)g_bridge.sbuf.size, g_bridge.tail, g_bridge.tail_len);
+}
+
+int link_push_bytes(const uint8_t *msg, uint32_t len) { return push_request(msg, len, NULL, 0); }
+
+/* Wait for the reply to `want`, taking the replies to writes answered early
+ * that come before it (link_take_behind).  0: decoded (*status holds 0 with
  * *result, or a positive errno); -EPIPE: connection lost; -ETIMEDOUT: told
  * to stop and the shard did not answer within the grace period. */
-static int wait_reply(int *status, const msgpack_object **result)
+static int wait_reply(uint64_t want, int *status, const msgpack_object **result)
 {
     for (;;) {
         int n = ring_pop(&g_bridge.rep, g_bridge.reply, g_bridge.reply_cap);
@@ -293,9 +316,11 @@ static int wait_reply(int *status, const msgpack_object **result)
                 fprintf(stderr, "slates-bridge: undecodable reply from the shard\n");
                 return -EPIPE;
             }
-            if (seq != 0 && seq < g_bridge.cur_seq)
+            if (seq != 0 && seq != want && link_take_behind(seq, rc, *result))
+                continue;
+            if (seq != 0 && seq < want)
                 continue; /* an answer to a request we gave up on */
-            if (seq != 0 && seq != g_bridge.cur_seq) {
+            if (seq != 0 && seq != want) {
                 fprintf(stderr, "slates-bridge: a reply answered another request\n");
                 return -EPIPE;
             }
@@ -329,6 +354,22 @@ static int wait_reply(int *status, const msgpack_object **result)
     }
 }
 
+int link_wait_oldest(void)
+{
+    uint64_t oldest = behind_oldest();
+    if (oldest == 0)
+        return 0;
+    int status = 0;
+    const msgpack_object *result = NULL;
+    int rc = wait_reply(oldest, &status, &result);
+    if (rc == 0) {
+        link_take_behind(oldest, status, result);
+        return 0;
+    }
+    bridge_detach(); /* the next link_call reconnects and sends it again */
+    return -EPIPE;
+}
+
 /* One attempt at a fresh hello, through Python. */
 static int reconnect_once(void)
 {
@@ -337,6 +378,10 @@ static int reconnect_once(void)
     int rc = bridge_reconnect_cb();
     if (rc == 0 && !g_bridge.attached)
         rc = -ENOTCONN;
+    if (rc == 0 && behind_resend() != 0) {
+        bridge_detach();
+        rc = -EPIPE;
+    }
     if (rc == 0)
         bridge_count(BRIDGE_STAT_RECONNECTS);
     return rc;
@@ -352,6 +397,7 @@ int link_call(const msgpack_object **result)
     unsigned delay_ms = 10;
     *result = NULL;
     g_bridge.reply_len = 0;
+    behind_end_grant(); /* the shard ends it on this request too */
     for (;;) {
         if (!g_bridge.attached) {
             int rc = reconnect_once();
@@ -378,7 +424,7 @@ int link_call(const msgpack_object **result)
             return EIO;
         }
         if (rc == 0)
-            rc = wait_reply(&status, result);
+            rc = wait_reply(g_bridge.cur_seq, &status, result);
         if (rc == 0) {
             g_bridge.down_since_ns = 0;
             bridge_count(BRIDGE_STAT_ROUND_TRIPS);

@@ -12,8 +12,10 @@
  * bridge_cache.c) or encodes one fs.* request (bridge_wire.c), makes one
  * round trip (link_call, bridge_link.c; reads and writes larger than the
  * ring's message limit make several), and turns the reply into exactly one
- * fuse_reply_*.  Semantics live in the shard: the bridge adds only what the
- * kernel interface needs (negative entries for NotFound, entry and
+ * fuse_reply_*; a WRITE under the shard's grant is answered once it is in
+ * the ring, and its reply taken later (bridge_behind.c), so WRITE and FSYNC
+ * also report a failure latched for their inode.  Semantics live in the
+ * shard: the bridge adds only what the kernel interface needs (negative entries for NotFound, entry and
  * attribute timeouts, readdirplus buffer packing, xattr size probes).
  * READs of files the shard says are wholly their base file's are served
  * from the base directory (bridge_clean.c): every ATTR teaches the clean
@@ -571,7 +573,17 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
     meta_taint(ino);
     clean_drop(ino); /* before the shard sees the write */
     attr_drop(ino);
+    int failed = behind_take_error(ino); /* an earlier write answered early */
+    if (failed != 0) {
+        fuse_reply_err(req, failed);
+        return;
+    }
+    if (behind_try(ino, (uint64_t)off, buf, size)) {
+        fuse_reply_write(req, size); /* the shard promised it (bridge_behind.c) */
+        return;
+    }
     uint32_t chunk = io_chunk();
+    int asking = behind_wanted() && size <= chunk;
     size_t done = 0;
     int err = 0;
     do {
@@ -579,7 +591,10 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
         int64_t written;
         size_t n = size - done > chunk ? chunk : size - done;
         uint64_t attr_ep = attr_epoch();
-        enc_write(ino, (uint64_t)off + done, buf + done, n);
+        if (asking)
+            enc_write_asking(ino, (uint64_t)off + done, buf + done, n);
+        else
+            enc_write(ino, (uint64_t)off + done, buf + done, n);
         err = link_call(&res);
         if (err == 0 && (!result_count(res, "written", &written) || written < 0 ||
                          (uint64_t)written > n))
@@ -592,6 +607,9 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
         done += (size_t)written;
         if ((size_t)written < n)
             break;
+        int64_t grant = 0;
+        if (asking && (size_t)written == size && mp_int(mp_get(res, "grant"), &grant))
+            behind_granted(ino, (uint64_t)off + size, grant);
     } while (done < size);
     if (err != 0 && done == 0)
         fuse_reply_err(req, err);
@@ -606,7 +624,10 @@ static void op_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_f
     link_lock();
     PREPARE(req, ino);
     enc_ino("fs.fsync", ino);
-    answer_empty(req);
+    const msgpack_object *res;
+    int err = link_call(&res); /* its reply comes after every earlier write's */
+    int failed = behind_take_error(ino);
+    fuse_reply_err(req, err != 0 ? err : failed);
 }
 
 static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)

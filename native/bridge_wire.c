@@ -15,8 +15,10 @@
  * (bridge_link.c) moves the bytes.
  *
  * Invariant: every request carries "seq" (strictly increasing per process)
- * and "ack" = seq - 1, because the link keeps one request in flight: every
- * reply below this one was received or given up on.
+ * and "ack" = seq - 1, because the link waits for each request's reply
+ * before the next (every reply below this one was received or given up
+ * on), except for writes answered early (bridge_behind.c): while their
+ * replies are still to come, "ack" stays below the oldest of them.
  */
 #include "bridge_internal.h"
 
@@ -203,9 +205,10 @@ static void envelope_start(const char *op, int split)
     g_bridge.cur_op = op;
     msgpack_pack_map(&g_bridge.pk, 4);
     kv_u64("seq", g_bridge.cur_seq);
-    /* One request at a time: every reply below this one was received (or
-     * given up on, which must not hold the shard's saved results either). */
-    kv_u64("ack", g_bridge.cur_seq - 1);
+    /* Every reply below this one was received (or given up on, which must
+     * not hold the shard's saved results either), but for writes answered
+     * early whose replies are still to come (bridge_behind.c). */
+    kv_u64("ack", link_ack(g_bridge.cur_seq));
     pack_cstr("op");
     pack_cstr(op);
     pack_cstr("args");
@@ -382,13 +385,34 @@ void enc_read(uint64_t ino, uint64_t offset, uint64_t size)
 }
 
 /* Split: the data is the raw tail (args.data), copied once, into the ring. */
-void enc_write(uint64_t ino, uint64_t offset, const void *data, size_t len)
+/* fs.write: "attrs" asks for the file's ATTR, "behind" for a grant, "granted"
+ * says it goes under one (bridge_behind.c). */
+static void write_request(uint64_t ino, uint64_t offset, const void *data, size_t len,
+                          const char *flag, const char *flag2)
 {
-    req_start("fs.write", 3, 1);
-    kv_bool("attrs", 1);
+    req_start("fs.write", 2 + (flag != NULL) + (flag2 != NULL), 1);
+    if (flag != NULL)
+        kv_bool(flag, 1);
+    if (flag2 != NULL)
+        kv_bool(flag2, 1);
     kv_u64("ino", ino);
     kv_u64("offset", offset);
     split_end(data, len);
+}
+
+void enc_write(uint64_t ino, uint64_t offset, const void *data, size_t len)
+{
+    write_request(ino, offset, data, len, "attrs", NULL);
+}
+
+void enc_write_asking(uint64_t ino, uint64_t offset, const void *data, size_t len)
+{
+    write_request(ino, offset, data, len, "attrs", "behind");
+}
+
+void enc_write_granted(uint64_t ino, uint64_t offset, const void *data, size_t len)
+{
+    write_request(ino, offset, data, len, "granted", NULL);
 }
 
 void enc_statfs(void) { req_begin("fs.statfs", 0); }

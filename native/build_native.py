@@ -59,6 +59,7 @@ SOURCES = (
     "ring.c",
     "bridge_wire.c",
     "bridge_link.c",
+    "bridge_behind.c",
     "bridge_spin.c",
     "bridge_cache.c",
     "bridge_attr.c",
@@ -96,6 +97,8 @@ ffibuilder.cdef(
     int ring_peek_length(ring_t *r);
     int ring_peek(ring_t *r, const uint8_t **payload);
     int ring_consume(ring_t *r);
+    uint64_t ring_produced(const ring_t *r);
+    uint64_t ring_consumed(const ring_t *r);
     int ring_spin_wait(ring_t *r, uint64_t spin_ns);
     int ring_prepare_park(ring_t *r);
     void ring_unpark(ring_t *r);
@@ -119,6 +122,8 @@ ffibuilder.cdef(
     #define BRIDGE_STAT_SPIN_HITS ...
     #define BRIDGE_STAT_SPIN_PARKS ...
     #define BRIDGE_STAT_READAHEADS ...
+    #define BRIDGE_STAT_BEHIND_WRITES ...
+    #define BRIDGE_STAT_BEHIND_REPLIES ...
     #define BRIDGE_RECONNECT_SECONDS ...
     #define BRIDGE_MAX_IO ...
     #define BRIDGE_LOOP_THREADS ...
@@ -134,6 +139,7 @@ ffibuilder.cdef(
     int bridge_set_base(int dir_fd);
     int bridge_set_threads(unsigned n);
     int bridge_set_prefetch(int on);
+    int bridge_set_write_behind(int on);
     int bridge_set_readahead(int on);
     int bridge_set_uring(int on);
     int bridge_uring_active(void);

@@ -14,7 +14,7 @@
  * so indices 64 bytes apart still bounce between the two cores. */
 #define RING_LINE 128
 #define RING_WRAP 0xffffffffu
-#define FRAME_HEADER 4u
+#define FRAME_HEADER RING_FRAME_HEADER
 
 struct ring_shared {
     /* Written once by ring_init, read-only afterwards. */
@@ -130,6 +130,34 @@ int ring_attach(ring_t *r, void *mem, uint64_t mem_len)
     return 0;
 }
 
+uint64_t ring_produced(const ring_t *r)
+{
+    return atomic_load_explicit(&r->shared->tail, memory_order_relaxed);
+}
+
+uint64_t ring_consumed(const ring_t *r)
+{
+    return atomic_load_explicit(&r->shared->head, memory_order_relaxed);
+}
+
+uint64_t ring_frame_size(uint32_t len) { return align8(FRAME_HEADER + (uint64_t)len); }
+
+void ring_keep(ring_t *r, uint64_t from)
+{
+    r->kept_from = from;
+    r->keeping = 1;
+}
+
+void ring_unkeep(ring_t *r) { r->keeping = 0; }
+
+const uint8_t *ring_frame_payload(const ring_t *r, uint64_t pos, uint32_t len)
+{
+    uint64_t off = pos & r->mask;
+    if ((pos & 7u) || len > ring_max_message(r) || off + ring_frame_size(len) > r->capacity)
+        return NULL;
+    return r->data + off + FRAME_HEADER;
+}
+
 int ring_push(ring_t *r, const uint8_t *msg, uint32_t len)
 {
     return ring_push2(r, msg, len, NULL, 0);
@@ -159,6 +187,9 @@ int ring_push2(ring_t *r, const uint8_t *first, uint32_t alen, const uint8_t *bo
         if (tail - head + need > r->capacity)
             return -EAGAIN;
     }
+    /* Kept frames count as unread (ring_keep): the room ends at the older. */
+    if (r->keeping && r->kept_from <= tail && tail - r->kept_from + need > r->capacity)
+        return -EAGAIN;
 
     if (frame > room_to_end) {
         *(volatile uint32_t *)(r->data + off) = RING_WRAP;

@@ -45,6 +45,8 @@ typedef struct {
     uint64_t cached_head; /* producer's lower bound on the consumer's head */
     uint64_t cached_tail; /* consumer's lower bound on the producer's tail */
     uint64_t peeked_end;  /* consumer: where the frame ring_peek returned ends, or 0 */
+    uint64_t kept_from;   /* producer: frames from here on are not overwritten (ring_keep) */
+    int keeping;          /* producer: kept_from is set */
 } ring_t;
 
 /* Bytes of shared memory needed for a ring of `capacity` data bytes, or 0
@@ -73,6 +75,31 @@ int ring_push(ring_t *r, const uint8_t *msg, uint32_t len);
  * joined to its envelope first.  Same errors, for alen + blen. */
 int ring_push2(ring_t *r, const uint8_t *first, uint32_t alen, const uint8_t *body,
                uint32_t blen);
+
+/* Producer.  The position just past the last frame pushed (the producer's
+ * own tail): a frame of `len` payload bytes that ring_push2 just queued
+ * starts at ring_produced - ring_frame_size(len), its payload
+ * RING_FRAME_HEADER bytes after that (no wrap marker falls inside). */
+uint64_t ring_produced(const ring_t *r);
+uint64_t ring_frame_size(uint32_t len);
+#define RING_FRAME_HEADER 4u
+
+/* Consumer.  The position up to which frames were taken (the consumer's own
+ * head): a frame ring_produced showed is taken once this reaches it. */
+uint64_t ring_consumed(const ring_t *r);
+
+/* Producer.  Keep the frames at and after position `from` (a frame start
+ * ring_produced gave) from being overwritten by later pushes, even once the
+ * consumer has taken them (-EAGAIN instead, as for a full ring), so the
+ * producer can read them back to send again elsewhere; ring_unkeep ends it.
+ * The consumer never writes the data area, but a broken one could: a
+ * reader of kept bytes treats them as its own request's, not as trusted. */
+void ring_keep(ring_t *r, uint64_t from);
+void ring_unkeep(ring_t *r);
+
+/* Producer.  The payload bytes of the frame at `pos` (a kept frame start)
+ * of `len` bytes, or NULL when that span is not inside the data area. */
+const uint8_t *ring_frame_payload(const ring_t *r, uint64_t pos, uint32_t len);
 
 /* Consumer.  Payload length copied into `out`, -EAGAIN (empty), -EMSGSIZE
  * (cap too small; the message stays queued, ring_peek_length tells the size

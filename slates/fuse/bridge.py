@@ -175,6 +175,7 @@ THREADS_ENV = "SLATES_BRIDGE_THREADS"  # loop_threads()
 URING_ENV = "SLATES_FUSE_URING"  # uring_wanted()
 PREFETCH_ENV = "SLATES_BRIDGE_PREFETCH"  # prefetch_wanted()
 READAHEAD_ENV = "SLATES_BRIDGE_READAHEAD"  # readahead_wanted()
+BEHIND_ENV = "SLATES_BRIDGE_BEHIND"  # write_behind_wanted()
 
 __all__ = [
     "COUNTER_SLOTS",
@@ -186,7 +187,9 @@ __all__ = [
     "THREADS_ENV",
     "URING_ENV",
     "PREFETCH_ENV",
+    "BEHIND_ENV",
     "prefetch_wanted",
+    "write_behind_wanted",
     "readahead_wanted",
     "JOB_LIMIT",
     "Bridge",
@@ -279,6 +282,8 @@ STATS: dict[int, str] = {
     lib.BRIDGE_STAT_SPIN_HITS: "spin_hits",
     lib.BRIDGE_STAT_SPIN_PARKS: "spin_parks",
     lib.BRIDGE_STAT_READAHEADS: "readaheads",
+    lib.BRIDGE_STAT_BEHIND_WRITES: "behind_writes",
+    lib.BRIDGE_STAT_BEHIND_REPLIES: "behind_replies",
 }
 
 
@@ -699,6 +704,8 @@ def run_bridge(
         raise InvalidArgument("cannot change directory prefetch after mounting")
     if lib.bridge_set_readahead(int(readahead_wanted())) < 0:
         raise InvalidArgument("cannot change read-ahead after mounting")
+    if lib.bridge_set_write_behind(int(write_behind_wanted())) < 0:
+        raise InvalidArgument("cannot change write-behind after mounting")
     if uncached and lib.bridge_set_cache_timeout(0.0) < 0:
         raise InvalidArgument("cannot turn the kernel's entry and attribute caches off")
     if counters is not None:
@@ -760,6 +767,12 @@ def prefetch_wanted() -> bool:
     """Whether clean directories are listed ahead of their callers
     (native/bridge_prefetch.c): $SLATES_BRIDGE_PREFETCH "0" turns it off."""
     return _env_switch(PREFETCH_ENV, default=True)
+
+
+def write_behind_wanted() -> bool:
+    """Whether a write-through mount answers writes the shard granted before the
+    shard's reply (native/bridge_behind.c): $SLATES_BRIDGE_BEHIND "0" turns it off."""
+    return _env_switch(BEHIND_ENV, default=True)
 
 
 def readahead_wanted() -> bool:

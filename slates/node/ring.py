@@ -201,6 +201,13 @@ class Ring:
         """(memfd, eventfd): what a peer needs to `attach`."""
         return (self._memfd, self._eventfd)
 
+    def positions(self) -> tuple[int, int]:
+        """(produced, consumed): the byte positions up to which the producer has pushed
+        and the consumer has taken frames.  The produced figure is the peer's to write:
+        a waiter on it bounds its wait."""
+        ring = self._live()
+        return int(lib.ring_produced(ring)), int(lib.ring_consumed(ring))
+
     @property
     def parked(self) -> bool:
         """Whether the consumer has announced it is asleep on the eventfd."""

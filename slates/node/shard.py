@@ -75,10 +75,12 @@ from slates.errors import (
     InvalidArgument,
     NotFound,
     SlatesError,
+    SnapshotBarrierFailed,
 )
 from slates.node.arena import ArenaChunks
 from slates.node.checkpoints import Checkpoints
 from slates.node.events import Event, RecordApplied, frame_parts, from_wire, to_wire
+from slates.node.grants import GRANT_BYTES, GRANT_MARGIN, Grant, LinkGrant
 from slates.node.jobs import Io, Job, Outcome, Sent, Thrown
 from slates.node.journal import PAGE, Checksummed, Journal, Segment
 from slates.node.memory import (
@@ -156,6 +158,11 @@ RING_CAPACITY = 4 << 20
 TRIM_BYTES = 16 << 20  # private bytes let go before freed heap goes back to the host
 JOURNAL_HEADROOM = (64 << 20) + (1 << 20)  # room for the largest frame, kept for deletions
 # What a nearly full journal still takes: requests that let go of memory.
+# Requests whose effect must include every write a mount of their volume already
+# answered (the attachment barrier): those in its ring are applied first (_quiesce).
+BARRIER_OPS = frozenset({"snapshot", "submit", "rebase"})
+BARRIER_SECONDS = 30.0
+_BARRIER_NAMES = tuple(op.encode() for op in sorted(BARRIER_OPS))
 RELEASING_OPS = frozenset({"volume.delete", "snapshot.delete", "gc", "unlink", "rmdir", "bye"})
 RELEASING_OPS |= frozenset({"fs.unlink", "fs.rmdir", "fs.forget", "fs.destroy", "truncate"})
 IO_THREADS = 4  # worker threads for long requests' I/O (captures, landings), per shard
@@ -187,6 +194,19 @@ class LoggedService(ShardService):
     def on_internal_error(self, client: str, request: Request, error: Exception) -> None:
         trace = "".join(traceback.format_exception(error)).rstrip()
         _log(f"internal error in {request.op} (client {client}, seq {request.seq}):\n{trace}")
+
+
+class RingLink:
+    """One ring pair a client is served on: its write grant (slates.node.grants), and
+    how far its requests are answered (a position of the request ring: _quiesce)."""
+
+    __slots__ = ("done_to", "grant", "live", "pair")
+
+    def __init__(self, pair: RingPair) -> None:
+        self.pair = pair
+        self.grant = LinkGrant()
+        self.done_to = 0
+        self.live = True
 
 
 class Shard:
@@ -229,6 +249,8 @@ class Shard:
         # the runtime directory: reading it here spares the first ring hello a ~20 ms
         # calibration of its own (default_spin_ns, for a shard without one).
         self.spin_ns = cached_spin_ns(self.runtime.path) if self.runtime else None
+        # The ring links of each mounted volume's bridges (_quiesce waits for them).
+        self.ring_links: dict[str, set[RingLink]] = {}
         self.usage: dict[str, _Usage] = {}
         self.io_threads = trio.CapacityLimiter(IO_THREADS)  # jobs' I/O off the loop
         self.segment_fds = (journal_fd, checkpoint_fd, arena_fd)
@@ -281,6 +303,11 @@ class Shard:
                 f"checkpoint generation {generation}"
             )
         self.checkpoints.pages.take_crcs()  # the replayed data's: its frames are written
+        # Room held for requests in flight (a mount's write grant) was held by links
+        # that died with the old process: nothing can use it now.
+        for volume in self.service.volumes.values():
+            if volume.inflight_bytes:
+                volume.release_inflight(volume.inflight_bytes)
         self.events_since = replayed  # the journal holds them until the next checkpoint
         self.private_peak = self.host.private_bytes
         self._account_segments()
@@ -380,8 +407,14 @@ class Shard:
         _failpoint_after_commit()
         self._account_segments()
 
-    def handle(self, hello: Hello, message: bytes | memoryview | Parts) -> bytes | Job:
-        """One request's packed reply, or the job a long request became (see answer)."""
+    def handle(
+        self,
+        hello: Hello,
+        message: bytes | memoryview | Parts,
+        link: LinkGrant | None = None,
+    ) -> bytes | Job:
+        """One request's packed reply, or the job a long request became (see answer).
+        `link` is the write grant of the ring the request came on (slates.node.grants)."""
         try:
             decoded = (
                 unpack_parts(message.head, message.tail)
@@ -390,10 +423,21 @@ class Shard:
             )
             request = parse_request(decoded)
         except SlatesError as exc:
+            if link is not None:
+                self._release_grant(link.end())
             return pack(error_reply(0, exc))
+        under: Grant | None = None
+        if link is not None:
+            ended, covered = link.receive(request.op, request.args)
+            self._release_grant(ended)
+            under = ended if covered else None
         if self._checkpoint_due():
             self.checkpoint()  # between requests: the state is exactly the journal's
-        if self.journal.room < self.journal_headroom and request.op not in RELEASING_OPS:
+        if (
+            self.journal.room < self.journal_headroom
+            and request.op not in RELEASING_OPS
+            and under is None  # its room was promised
+        ):
             # Near full even after a checkpoint: refuse new work, keep reads and deletes.
             full = CapacityExhausted(
                 "the journal is nearly full: delete volumes or snapshots to make room",
@@ -401,10 +445,72 @@ class Shard:
             )
             if request.op not in READ_ONLY_OPS:
                 return pack(error_reply(request.seq, full))
+        granting = link is not None and request.op == "fs.write"
+        charged = self._charged(request) if granting else 0
         reply = self._run(hello, request)
         if isinstance(reply, Job):
             return reply
+        if granting and link is not None:
+            reply = self._grant(link, request, reply, under, charged)
         return self._answered(request, reply)
+
+    def _charged(self, request: Request) -> int:
+        vid = request.args.get("volume")
+        volume = self.service.volumes.get(vid) if isinstance(vid, str) else None
+        return volume.charged_bytes if volume is not None else 0
+
+    def _release_grant(self, grant: Grant | None) -> None:
+        """Give back the room a grant held (a deleted volume gave it back already)."""
+        if grant is None:
+            return
+        volume = self.service.volumes.get(grant.volume)
+        if volume is not None and volume.inflight_bytes >= grant.held:
+            volume.release_inflight(grant.held)
+
+    def _grant(
+        self,
+        link: LinkGrant,
+        request: Request,
+        reply: dict[str, Any],
+        under: Grant | None,
+        charged: int,
+    ) -> dict[str, Any]:
+        """After a write: promise the next appending writes (slates.node.grants), for a
+        write that asked and ended at its file's end, or one under a grant (what is
+        left of it, its room less what the write was charged)."""
+        args = request.args
+        result = reply.get("result")
+        data = args.get("data")
+        if reply.get("error") is not None or not isinstance(data, bytes):
+            return reply
+        if under is None and (args.get("behind") is not True or not isinstance(result, dict)):
+            return reply
+        volume = self.service.volumes.get(args["volume"])
+        if volume is None:
+            return reply
+        end = int(args["offset"]) + len(data)
+        if under is not None:
+            left, held = under.left - len(data), under.held - (volume.charged_bytes - charged)
+            if left <= 0 or held < left:
+                return reply
+        else:
+            left, held = GRANT_BYTES, GRANT_BYTES + GRANT_MARGIN
+            if self.journal.room < self.journal_headroom + 2 * GRANT_BYTES:
+                return reply  # the journal could not take the promised writes
+            try:
+                if volume.getattr(int(args["ino"])).size != end:
+                    return reply  # not an append: the next write may need the base
+            except SlatesError:
+                return reply
+        try:
+            volume.admit_inflight(held)
+        except CapacityExhausted:
+            return reply
+        link.offer(args["volume"], int(args["ino"]), end, left, held)
+        if not isinstance(result, dict):
+            return reply  # a write under a grant: the bridge counts what is left itself
+        # A new reply: the saved one (a retry's answer) must not carry an old grant.
+        return {**reply, "result": {**result, "grant": left}}
 
     def _run(self, hello: Hello, request: Request) -> dict[str, Any] | Job:
         """Run one request and commit its events.  One refused for room that stale page
@@ -441,10 +547,16 @@ class Shard:
         error = reply.get("error")
         return isinstance(error, dict) and error.get("code") == "CapacityExhausted"
 
-    async def answer(self, hello: Hello, message: bytes | memoryview | Parts) -> bytes:
+    async def answer(
+        self, hello: Hello, message: bytes | memoryview | Parts, link: LinkGrant | None = None
+    ) -> bytes:
         """The packed reply to one request; a long request's job runs to its end here,
         its I/O in worker threads and other connections' requests between its steps."""
-        outcome = self.handle(hello, message)
+        if self.ring_links:
+            refused = await self._quiesce(message, link)
+            if refused is not None:
+                return refused
+        outcome = self.handle(hello, message, link)
         try:
             while isinstance(outcome, Job):
                 outcome = await self._advance(outcome)
@@ -452,6 +564,40 @@ class Shard:
             if isinstance(outcome, Job):  # cancelled (the client left): clean up after it
                 self.commit(self.service.abandon(outcome))
         return outcome
+
+    async def _quiesce(
+        self, message: bytes | memoryview | Parts, link: LinkGrant | None
+    ) -> bytes | None:
+        """Before a BARRIER_OPS request: wait until each mount of its volume has had
+        every request it had pushed by now answered (a mount answers writes under a
+        grant before the shard applies them: slates.node.grants).  None, or the packed
+        refusal when a mount's ring does not drain within BARRIER_SECONDS."""
+        if isinstance(message, Parts) or len(message) > MAX_HELLO:
+            return None  # a write's data, not a barrier request
+        raw = message if isinstance(message, bytes) else bytes(message)
+        if not any(op in raw for op in _BARRIER_NAMES):
+            return None  # (a byte search, not a second decode of every request)
+        try:
+            request = parse_request(unpack_request(raw))
+        except SlatesError:
+            return None  # handle refuses it
+        vid = request.args.get("volume")
+        if request.op not in BARRIER_OPS or not isinstance(vid, str):
+            return None
+        waits = [
+            (ring, ring.pair.requests.positions()[0])
+            for ring in self.ring_links.get(vid, ())
+            if ring.grant is not link  # (the asker's own ring is answering it)
+        ]
+        deadline = trio.current_time() + BARRIER_SECONDS
+        while any(ring.live and ring.done_to < target for ring, target in waits):
+            if trio.current_time() > deadline:
+                stuck = SnapshotBarrierFailed(
+                    "a mount's requests were not all applied in time", volume=vid
+                )
+                return pack(error_reply(request.seq, stuck))
+            await trio.sleep(0.001)
+        return None
 
     async def _advance(self, job: Job) -> bytes | Job:
         waiting = job.waiting
@@ -615,15 +761,45 @@ class Shard:
                 # Messages too large for a ring travel as frames on the socket;
                 # the socket's end is also the client's end.
                 nursery.start_soon(self._socket_requests, conn, reader, hello, nursery.cancel_scope)
-                while True:
-                    message = await pair.requests.receive_request()
-                    reply = await self.answer(hello, message)
-                    await self.deliver(hello.client)
-                    if len(reply) > pair.replies.max_message:
-                        await send_all(conn, frame(reply))
-                        continue
-                    while not pair.replies.push(reply):
-                        await trio.sleep(0.0005)  # bounded ring: wait for the client to drain
+                ring = RingLink(pair)
+                if hello.mount is not None:  # a mount's: barriers wait for it
+                    self.ring_links.setdefault(hello.mount, set()).add(ring)
+                try:
+                    await self._serve_ring(conn, pair, hello, ring)
+                finally:
+                    self._release_grant(ring.grant.end())
+                    ring.live = False
+                    if hello.mount is not None:
+                        links = self.ring_links.get(hello.mount, set())
+                        links.discard(ring)
+                        if not links:
+                            self.ring_links.pop(hello.mount, None)
+            self._drain(hello, pair)
+
+    def _drain(self, hello: Hello, pair: RingPair) -> None:
+        """The client is gone: apply what it left in the request ring, in order.  A
+        bridge answers writes under a grant before they are applied (slates.node.grants),
+        so those must not die with it.  Their replies have no reader."""
+        while (message := pair.requests.pop_request()) is not None:
+            outcome = self.handle(hello, message)
+            if isinstance(outcome, Job):  # a long request nobody waits for
+                self.commit(self.service.abandon(outcome))
+
+    async def _serve_ring(
+        self, conn: trio.socket.SocketType, pair: RingPair, hello: Hello, ring: RingLink
+    ) -> None:
+        """Answer the ring's requests in order, one at a time."""
+        while True:
+            message = await pair.requests.receive_request()
+            taken = pair.requests.positions()[1]
+            reply = await self.answer(hello, message, ring.grant)
+            ring.done_to = taken
+            await self.deliver(hello.client)
+            if len(reply) > pair.replies.max_message:
+                await send_all(conn, frame(reply))
+                continue
+            while not pair.replies.push(reply):
+                await trio.sleep(0.0005)  # bounded ring: wait for the client to drain
 
     async def _socket_requests(
         self,

@@ -1,0 +1,111 @@
+"""Write grants: a shard's promise to a mount that its next appending writes will apply.
+
+Theory of operation: a write-through mount's bridge waits for the shard's
+reply to every write(2) before it answers the kernel, so a writer streaming
+a file waits on the shard's work for each write in turn.  When a write that
+asked ("behind") extended its file to its end, the shard may answer with a
+grant: the next writes to that inode, each starting where the last ended,
+up to GRANT_BYTES in all, will be applied.  It holds their room first (the
+volume's in-flight bytes, so neither the quota nor the host can refuse
+them), and a write under the grant ("granted") is not refused for journal
+room.  The bridge then answers such writes to the kernel as soon as they are
+in the ring (native/bridge_behind.c).  A grant lives until the next request
+the shard takes from that ring that is not a write under it: both sides end
+it there, so they agree on it without saying so.
+
+This module is the pure part, one `LinkGrant` per ring link: the table of
+(state, input) -> state the shard drives, and what room to hold.  The shard
+(slates.node.shard) does the holding and releasing on the volume.
+
+    state   input                                   next    effect
+    IDLE    a write that asked, applied at its end  HELD    hold room, reply "grant"
+    IDLE    anything else                           IDLE    -
+    HELD    a write under it that fits              HELD*   release, apply, hold what is left
+    HELD    anything else (and the link's end)      IDLE    release the room
+
+(*) or IDLE when nothing is left to promise.  A "granted" write that arrives
+with no grant (the bridge resending after a restart, whose grant died with
+the old shard) is an ordinary write: it may be refused like any other, and
+the bridge reports that on the inode's next write or fsync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from slates.errors import InvalidArgument
+
+__all__ = ["GRANT_BYTES", "GRANT_MARGIN", "Grant", "GrantState", "LinkGrant"]
+
+GRANT_BYTES = 8 << 20  # what a bridge may answer early before it hears back
+# What the writes of one grant may be charged beyond their bytes (their first and
+# last partial pages, extent metadata): held with the grant so it cannot run out.
+GRANT_MARGIN = 256 << 10
+
+
+class GrantState(enum.Enum):
+    IDLE = "idle"
+    HELD = "held"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Grant:
+    """What is promised: writes to `ino` of `volume` from `end` on, `left` bytes in
+    all, with `held` bytes of the volume's room held for them."""
+
+    volume: str
+    ino: int
+    end: int
+    left: int
+    held: int
+
+
+def _write_under(grant: Grant, op: str, args: dict[str, Any]) -> bool:
+    data = args.get("data")
+    return (
+        op == "fs.write"
+        and args.get("granted") is True
+        and args.get("volume") == grant.volume
+        and args.get("ino") == grant.ino
+        and args.get("offset") == grant.end
+        and isinstance(data, bytes)
+        and 0 < len(data) <= grant.left
+    )
+
+
+class LinkGrant:
+    """One ring link's grant (see the module docstring)."""
+
+    __slots__ = ("grant",)
+
+    def __init__(self) -> None:
+        self.grant: Grant | None = None
+
+    @property
+    def state(self) -> GrantState:
+        return GrantState.IDLE if self.grant is None else GrantState.HELD
+
+    def receive(self, op: str, args: dict[str, Any]) -> tuple[Grant | None, bool]:
+        """A request arrives: (the grant whose room to release now, or None; whether
+        the request is a write under it).  Either way the link is IDLE after."""
+        grant, self.grant = self.grant, None
+        if grant is None:  # IDLE, any request: IDLE
+            return None, False
+        return grant, _write_under(grant, op, args)  # HELD, any request: IDLE
+
+    def offer(self, volume: str, ino: int, end: int, left: int, held: int) -> Grant:
+        """After a write at its file's end: the grant now held (IDLE -> HELD; a
+        HELD link must have been through `receive` first, so that is refused)."""
+        if self.grant is not None:
+            raise InvalidArgument("a link holds one grant at a time", ino=self.grant.ino)
+        if left <= 0 or held < left or end < 0:
+            raise InvalidArgument("a grant promises some bytes and holds room for them")
+        self.grant = Grant(volume, ino, end, left, held)
+        return self.grant
+
+    def end(self) -> Grant | None:
+        """The link ends: the grant whose room to release, if any (-> IDLE)."""
+        grant, self.grant = self.grant, None
+        return grant

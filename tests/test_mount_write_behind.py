@@ -1,0 +1,385 @@
+"""Write-behind under the shard's grants (native/bridge_behind.c, slates.node.grants).
+
+A write-through mount answers a write the shard granted as soon as it is in
+the ring.  What a user relies on, checked with real anchors and mounts (root,
+/dev/fuse): a file streamed in is read back exactly, through the mount and the
+SDK, with reads and stats between the writes seeing every earlier write; a
+shard killed with SIGKILL in the middle of a stream loses no write the writer
+was answered (the bridge sends the unanswered ones again); a bridge killed in
+the middle leaves every answered write in the volume (the shard applies what
+the dead bridge queued); a bounded volume still refuses the write that does
+not fit, at that write, with nothing answered early lost; and the grant's
+table (slates.node.grants) against a model.  No timing is asserted.  Seeded
+randomness prints its seed in every failure message (BEHIND_SEED=<n> replays
+the streamed-file test's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from slates import Client
+from slates.errors import InvalidArgument
+from slates.node.grants import Grant, GrantState, LinkGrant
+from tests.anchor_fixture import Service, service
+from tests.test_mount import mounted, wait_for_restart
+from tests.test_mount_clean_reads import counters, uncached_read
+
+__all__ = ["service"]
+
+needs_fuse = pytest.mark.skipif(
+    not os.path.exists("/dev/fuse") or os.geteuid() != 0,
+    reason="FUSE mounts need /dev/fuse and root (CI has both)",
+)
+MIB = 1 << 20
+
+
+def _payload(seed: int, size: int) -> bytes:
+    """Seeded bytes, a MiB at a time (randbytes takes at most 256 MiB at once)."""
+    blocks = (random.Random(seed * 1_000_003 + i).randbytes(MIB) for i in range(-(-size // MIB)))
+    return b"".join(blocks)[:size]
+
+
+@needs_fuse
+def test_a_streamed_file_reads_back_and_every_read_between_sees_the_writes(
+    service: Service, tmp_path: Path
+) -> None:
+    seed = int(os.environ.get("BEHIND_SEED") or random.randrange(1 << 32))
+    data = _payload(seed, 24 * MIB + 1234)
+    base = tmp_path / "base"
+    base.mkdir()
+    with Client(service.runtime) as client:
+        vid = client.create_volume("stream", base=base)["id"]
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            path = mnt / "big.bin"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            reader = os.open(path, os.O_RDONLY)
+            try:
+                rng = random.Random(seed)
+                at = 0
+                while at < len(data):
+                    n = min(len(data) - at, rng.choice([4096, 65536, MIB, MIB, 3000]))
+                    assert os.write(fd, data[at : at + n]) == n, seed
+                    at += n
+                    assert os.fstat(fd).st_size == at, seed
+                    if rng.random() < 0.2:  # a READ the shard answers, after the writes
+                        os.posix_fadvise(reader, 0, 0, os.POSIX_FADV_DONTNEED)
+                        lo = rng.randrange(at)
+                        expected = data[lo : min(lo + 8192, at)]  # the file ends at `at`
+                        assert os.pread(reader, 8192, lo) == expected, seed
+                os.fsync(fd)
+            finally:
+                os.close(reader)
+                os.close(fd)
+            assert uncached_read(path) == data, seed
+            assert client.read(vid, "/big.bin") == data, seed
+            seen = counters(service, vid)
+    assert seen["behind_writes"] > 0, seen  # the stream was answered early
+    assert seen["behind_replies"] == seen["behind_writes"], seen  # and every reply came
+
+
+STREAMER = r"""
+import os, random, sys
+path, seed, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+blocks = [random.Random(seed * 1_000_003 + i).randbytes(1 << 20) for i in range(-(-size >> 20))]
+data = b"".join(blocks)[:size]
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+at = 0
+while at < size:
+    try:
+        n = os.write(fd, data[at : at + (1 << 20)])
+    except OSError as exc:
+        print("error", exc.errno, flush=True)
+        sys.exit(3)
+    at += n
+    print("answered", at, flush=True)
+try:
+    os.fsync(fd)
+except OSError as exc:
+    print("error", exc.errno, flush=True)
+    sys.exit(4)
+print("synced", flush=True)
+"""
+
+
+def _stream(path: Path, seed: int, size: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", STREAMER, str(path), str(seed), str(size)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _answered_at_least(writer: subprocess.Popen[str], nbytes: int) -> int:
+    """Read the writer's progress until it was answered `nbytes`; the count."""
+    assert writer.stdout is not None
+    while line := writer.stdout.readline():
+        word, _, value = line.partition(" ")
+        assert word == "answered", line
+        if int(value) >= nbytes:
+            return int(value)
+    problem = writer.stderr.read() if writer.stderr else ""
+    raise AssertionError(f"the writer stopped early: {problem}")
+
+
+def _until_quiet(writer: subprocess.Popen[str], answered: int) -> int:
+    """Follow the writer's progress until it stops (a second without a line)."""
+    assert writer.stdout is not None
+    os.set_blocking(writer.stdout.fileno(), False)
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < 1.0:
+        line = writer.stdout.readline()
+        if not line:
+            time.sleep(0.05)
+            continue
+        word, _, value = line.partition(" ")
+        if word == "answered":
+            answered, quiet_since = int(value), time.monotonic()
+    os.set_blocking(writer.stdout.fileno(), True)
+    return answered
+
+
+@contextlib.contextmanager
+def _streaming(
+    service: Service, tmp_path: Path, size: int
+) -> Iterator[tuple[Client, dict[str, Any], Path, subprocess.Popen[str], int]]:
+    """A mount of a fresh volume, and a writer streaming `size` seeded bytes into
+    big.bin there: (client, the volume, the mount, the writer, the seed).  The writer
+    is killed on the way out if it still runs."""
+    seed = random.randrange(1 << 32)
+    base = tmp_path / "base"
+    base.mkdir()
+    with Client(service.runtime) as client:
+        created = client.create_volume("streamed", base=base)
+        with mounted(client, created["id"], tmp_path / "mnt") as mnt:
+            writer = _stream(mnt / "big.bin", seed, size)
+            try:
+                yield client, created, mnt, writer, seed
+            finally:
+                if writer.poll() is None:
+                    writer.kill()
+                    writer.wait()
+
+
+@needs_fuse
+def test_a_shard_killed_mid_stream_loses_no_answered_write(
+    service: Service, tmp_path: Path
+) -> None:
+    size = 96 * MIB
+    with _streaming(service, tmp_path, size) as (client, created, mnt, writer, seed):
+        rng = random.Random(seed)
+        for _ in range(2):  # twice, at seeded points of the stream
+            _answered_at_least(writer, rng.randrange(8, 40) * MIB)
+            old = service.kill_shard(int(created["shard"]))
+            service.wait_restarted(int(created["shard"]), old)
+        out, err = writer.communicate(timeout=300)
+        assert writer.returncode == 0, (seed, out[-300:], err)
+        assert out.rstrip().endswith("synced"), (seed, out[-300:])
+        data = _payload(seed, size)
+        assert uncached_read(mnt / "big.bin") == data, seed
+        assert client.read(created["id"], "/big.bin") == data, seed
+        seen = counters(service, created["id"])
+    assert seen["behind_writes"] > 0 and seen["reconnects"] >= 1, seen
+
+
+@needs_fuse
+def test_a_bridge_killed_mid_stream_leaves_every_answered_write(
+    service: Service, tmp_path: Path
+) -> None:
+    size = 192 * MIB
+    with _streaming(service, tmp_path, size) as (client, created, mnt, writer, seed):
+        shard = service.shard_pids()[int(created["shard"])]
+        try:
+            answered = _answered_at_least(writer, random.Random(seed).randrange(8, 24) * MIB)
+            # The shard stopped: the bridge answers what the grant lets it, those
+            # writes wait in the ring, and the writer then waits on the full ring.
+            os.kill(shard, signal.SIGSTOP)
+            answered = _until_quiet(writer, answered)
+            (info,) = client.mounts()
+            os.kill(int(info["pid"]), signal.SIGKILL)
+        finally:
+            os.kill(shard, signal.SIGCONT)
+        out, _err = writer.communicate(timeout=120)
+        for word, _, value in (line.partition(" ") for line in out.splitlines()):
+            if word == "answered":
+                answered = max(answered, int(value))
+        assert writer.returncode in (0, 3, 4), (seed, out[-300:])
+        wait_for_restart(client, mnt, int(info["pid"]))
+        stored = client.read(created["id"], "/big.bin")
+        # Every byte the writer was answered is there (the kill may have landed
+        # between a write's answer and its line, so more may be).
+        assert len(stored) >= answered, (seed, len(stored), answered)
+        assert stored == _payload(seed, size)[: len(stored)], seed
+
+
+@needs_fuse
+def test_a_snapshot_holds_every_write_answered_before_it(service: Service, tmp_path: Path) -> None:
+    """The attachment barrier: writes answered early but still in the ring when a
+    snapshot is asked for are in the snapshot.  The shard is stopped while the writer
+    streams, so answered writes wait in the ring, then the snapshot is asked for and
+    the shard let go: it must apply them first."""
+    seed = random.randrange(1 << 32)
+    size = 64 * MIB
+    data = _payload(seed, size)
+    base = tmp_path / "base"
+    base.mkdir()
+    with Client(service.runtime) as client:
+        created = client.create_volume("barrier", base=base)
+        vid = created["id"]
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            progress: list[int] = [0]
+            failures: list[BaseException] = []
+
+            def write() -> None:
+                try:
+                    with open(mnt / "big.bin", "xb", buffering=0) as f:
+                        # Quarter-MiB writes: the ring holds the FIFO's worth of them.
+                        for at in range(0, size, MIB // 4):
+                            f.write(data[at : at + MIB // 4])
+                            progress[0] = at + MIB // 4
+                except BaseException as exc:
+                    failures.append(exc)
+
+            writer = threading.Thread(target=write)
+            writer.start()
+            shard = service.shard_pids()[int(created["shard"])]
+            snapped: list[str] = []
+            try:
+                while progress[0] < random.Random(seed).randrange(4, 24) * MIB:
+                    time.sleep(0.005)
+                os.kill(shard, signal.SIGSTOP)
+                answered, quiet_since = progress[0], time.monotonic()
+                while time.monotonic() - quiet_since < 1.0:
+                    if progress[0] != answered:
+                        answered, quiet_since = progress[0], time.monotonic()
+                    time.sleep(0.01)
+                asker = threading.Thread(target=lambda: snapped.append(client.snapshot(vid)))
+                asker.start()
+                time.sleep(0.3)  # the request waits at the stopped shard
+            finally:
+                os.kill(shard, signal.SIGCONT)
+            asker.join(120)
+            writer.join(120)
+            assert not failures, (seed, failures)
+            (snapshot,) = snapped
+            copy = client.create_volume("copy", from_snapshot=snapshot)["id"]
+            held = client.read(copy, "/big.bin")
+            assert len(held) >= answered, (seed, len(held), answered)
+            assert held == data[: len(held)], seed
+
+
+@needs_fuse
+def test_a_bounded_volume_refuses_the_write_that_does_not_fit_at_that_write(
+    service: Service, tmp_path: Path
+) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    chunk = _payload(7, MIB)
+    with Client(service.runtime) as client:
+        vid = client.create_volume("small", base=base, bounded=24 * MIB)["id"]
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            fd = os.open(mnt / "fill.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+            written = 0
+            try:
+                with pytest.raises(OSError) as refused:
+                    for _ in range(64):
+                        assert os.write(fd, chunk) == len(chunk)
+                        written += len(chunk)
+                assert refused.value.errno in (errno.ENOSPC, errno.EDQUOT), refused.value
+                os.fsync(fd)  # nothing answered early failed
+            finally:
+                os.close(fd)
+            assert 0 < written < 24 * MIB
+            assert client.read(vid, "/fill.bin") == chunk * (written // MIB)
+            seen = counters(service, vid)
+    assert seen["behind_writes"] > 0, seen
+
+
+# -- the grant's table against a model ----------------------------------------------
+
+
+class GrantMachine(RuleBasedStateMachine):
+    """LinkGrant against a model: at most one grant, ended by every request, and a
+    write is under it only when it is a granted write where the grant says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.link = LinkGrant()
+        self.model: Grant | None = None
+
+    @rule(end=st.integers(0, 1 << 30), left=st.integers(1, 1 << 24), extra=st.integers(0, 99))
+    def offer(self, end: int, left: int, extra: int) -> None:
+        if self.model is not None:
+            with pytest.raises(InvalidArgument):
+                self.link.offer("v", 5, end, left, left + extra)
+            return
+        self.model = self.link.offer("v", 5, end, left, left + extra)
+
+    @rule(
+        granted=st.booleans(),
+        op=st.sampled_from(["fs.write", "fs.getattr", "fs.read"]),
+        shift=st.integers(-1, 1),
+        size=st.integers(0, 1 << 25),
+        ino=st.sampled_from([5, 6]),
+    )
+    def receive(self, granted: bool, op: str, shift: int, size: int, ino: int) -> None:
+        model = self.model
+        offset = (model.end if model else 0) + shift
+        args = {"volume": "v", "ino": ino, "offset": offset, "data": b"x" * min(size, 64)}
+        if granted:
+            args["granted"] = True
+        ended, covered = self.link.receive(op, args)
+        assert ended == model
+        expected = (
+            model is not None
+            and op == "fs.write"
+            and granted
+            and ino == 5
+            and shift == 0
+            and 0 < min(size, 64) <= model.left
+        )
+        assert covered == expected
+        self.model = None
+
+    @rule()
+    def end(self) -> None:
+        assert self.link.end() == self.model
+        self.model = None
+
+    @rule(left=st.integers(-5, 0))
+    def a_grant_of_nothing_is_refused(self, left: int) -> None:
+        if self.model is None:
+            with pytest.raises(InvalidArgument):
+                self.link.offer("v", 5, 0, left, 10)
+
+    @invariant()
+    def state_follows_the_grant(self) -> None:
+        assert self.link.grant == self.model
+        held = GrantState.HELD if self.model is not None else GrantState.IDLE
+        assert self.link.state is held
+
+
+TestGrantMachine = GrantMachine.TestCase
+
+
+def test_the_link_ends_its_grant_on_any_request_even_undecodable_ones() -> None:
+    link = LinkGrant()
+    link.offer("v", 5, 100, 10, 20)
+    ended, covered = link.receive("fs.write", {"granted": True, "volume": "v"})  # no data
+    assert ended is not None and not covered and link.state is GrantState.IDLE
