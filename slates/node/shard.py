@@ -430,7 +430,11 @@ class Shard:
         if link is not None:
             ended, covered = link.receive(request.op, request.args)
             self._release_grant(ended)
-            under = ended if covered else None
+            data = request.args.get("data")
+            # Promised room, but never past what the journal can still take whole (a
+            # frame that does not fit ends the shard: commit).
+            if covered and isinstance(data, bytes) and self.journal.room > 2 * len(data) + PAGE:
+                under = ended
         if self._checkpoint_due():
             self.checkpoint()  # between requests: the state is exactly the journal's
         if (
