@@ -94,12 +94,7 @@ void behind_granted(uint64_t ino, uint64_t end, int64_t bytes)
 
 static struct behind *fifo_at(unsigned i) { return &g_wb.fifo[(g_wb.first + i) % BEHIND_MAX]; }
 
-uint64_t link_ack(uint64_t seq)
-{
-    if (g_wb.count > 0 && fifo_at(0)->seq <= seq)
-        return fifo_at(0)->seq - 1;
-    return seq - 1;
-}
+uint64_t link_ack(uint64_t seq) { return (g_wb.count > 0 ? fifo_at(0)->seq : seq) - 1; }
 
 static void latch(uint64_t ino, int err)
 {
@@ -199,10 +194,10 @@ void behind_save(void)
 {
     for (unsigned i = 0; i < g_wb.count; i++) {
         struct behind *b = fifo_at(i);
-        if (b->saved != NULL)
-            continue; /* still the copy of an earlier detach */
+        if (b->saved != NULL || b->len == 0)
+            continue; /* still the copy of an earlier detach, or lost */
         const uint8_t *at = ring_frame_payload(&g_bridge.req, b->pos, b->len);
-        uint8_t *copy = at != NULL ? malloc(b->len ? b->len : 1) : NULL;
+        uint8_t *copy = at != NULL ? malloc(b->len) : NULL;
         if (copy == NULL) {
             /* Cannot happen short of memory: the write is lost, so say so. */
             fprintf(stderr, "slates-bridge: cannot keep an answered write to inode %llu\n",
@@ -221,27 +216,23 @@ void behind_save(void)
  * 0, or -EPIPE when the new link failed too (what is not sent stays saved). */
 int behind_resend(void)
 {
+    /* Those with no copy (lost: latched in behind_save) will get no reply:
+     * drop them first, so the front kept below is always a frame of this ring. */
+    unsigned kept = 0;
     for (unsigned i = 0; i < g_wb.count; i++) {
         struct behind *b = fifo_at(i);
-        if (b->saved == NULL)
-            continue; /* lost (latched above) */
-        int rc = link_push_bytes(b->saved, b->len);
-        if (rc != 0)
+        if (b->saved != NULL)
+            *fifo_at(kept++) = *b;
+    }
+    g_wb.count = kept;
+    for (unsigned i = 0; i < g_wb.count; i++) {
+        struct behind *b = fifo_at(i);
+        if (link_push_bytes(b->saved, b->len) != 0)
             return -EPIPE;
         b->pos = ring_produced(&g_bridge.req) - ring_frame_size(b->len);
         free(b->saved);
         b->saved = NULL;
         keep_front();
     }
-    /* Lost ones (len 0, nothing saved) will get no reply: drop them. */
-    unsigned kept = 0;
-    for (unsigned i = 0; i < g_wb.count; i++) {
-        struct behind *b = fifo_at(i);
-        if (b->len == 0 && b->saved == NULL)
-            continue;
-        *fifo_at(kept++) = *b;
-    }
-    g_wb.count = kept;
-    keep_front();
     return 0;
 }

@@ -15,8 +15,9 @@
  * fuse_reply_*; a WRITE under the shard's grant is answered once it is in
  * the ring, and its reply taken later (bridge_behind.c), so WRITE and FSYNC
  * also report a failure latched for their inode.  Semantics live in the
- * shard: the bridge adds only what the kernel interface needs (negative entries for NotFound, entry and
- * attribute timeouts, readdirplus buffer packing, xattr size probes).
+ * shard: the bridge adds only what the kernel interface needs (negative
+ * entries for NotFound, entry and attribute timeouts, readdirplus buffer
+ * packing, xattr size probes).
  * READs of files the shard says are wholly their base file's are served
  * from the base directory (bridge_clean.c): every ATTR teaches the clean
  * table, and every request that may change an inode's content drops the

@@ -157,12 +157,12 @@ MIN_APPROVER_KEY = 32  # bytes: a shorter (an empty) credential approves nothing
 RING_CAPACITY = 4 << 20
 TRIM_BYTES = 16 << 20  # private bytes let go before freed heap goes back to the host
 JOURNAL_HEADROOM = (64 << 20) + (1 << 20)  # room for the largest frame, kept for deletions
-# What a nearly full journal still takes: requests that let go of memory.
 # Requests whose effect must include every write a mount of their volume already
 # answered (the attachment barrier): those in its ring are applied first (_quiesce).
 BARRIER_OPS = frozenset({"snapshot", "submit", "rebase"})
 BARRIER_SECONDS = 30.0
 _BARRIER_NAMES = tuple(op.encode() for op in sorted(BARRIER_OPS))
+# What a nearly full journal still takes: requests that let go of memory.
 RELEASING_OPS = frozenset({"volume.delete", "snapshot.delete", "gc", "unlink", "rmdir", "bye"})
 RELEASING_OPS |= frozenset({"fs.unlink", "fs.rmdir", "fs.forget", "fs.destroy", "truncate"})
 IO_THREADS = 4  # worker threads for long requests' I/O (captures, landings), per shard
@@ -556,8 +556,8 @@ class Shard:
     ) -> bytes:
         """The packed reply to one request; a long request's job runs to its end here,
         its I/O in worker threads and other connections' requests between its steps."""
-        if self.ring_links:
-            refused = await self._quiesce(message, link)
+        if self.ring_links and hello.mount is None:  # (a bridge asks for no barrier)
+            refused = await self._quiesce(message)
             if refused is not None:
                 return refused
         outcome = self.handle(hello, message, link)
@@ -569,9 +569,7 @@ class Shard:
                 self.commit(self.service.abandon(outcome))
         return outcome
 
-    async def _quiesce(
-        self, message: bytes | memoryview | Parts, link: LinkGrant | None
-    ) -> bytes | None:
+    async def _quiesce(self, message: bytes | memoryview | Parts) -> bytes | None:
         """Before a BARRIER_OPS request: wait until each mount of its volume has had
         every request it had pushed by now answered (a mount answers writes under a
         grant before the shard applies them: slates.node.grants).  None, or the packed
@@ -588,11 +586,7 @@ class Shard:
         vid = request.args.get("volume")
         if request.op not in BARRIER_OPS or not isinstance(vid, str):
             return None
-        waits = [
-            (ring, ring.pair.requests.positions()[0])
-            for ring in self.ring_links.get(vid, ())
-            if ring.grant is not link  # (the asker's own ring is answering it)
-        ]
+        waits = [(ring, ring.pair.requests.positions()[0]) for ring in self.ring_links.get(vid, ())]
         deadline = trio.current_time() + BARRIER_SECONDS
         while any(ring.live and ring.done_to < target for ring, target in waits):
             if trio.current_time() > deadline:
