@@ -8,7 +8,9 @@
  * ("behind") with a grant when it can promise more: "the next writes to
  * this inode, each starting where the last ended, up to N bytes in all,
  * will be applied" (it reserved their capacity: slates/fuse/PROTOCOL.md,
- * "Write grants").  A grant lives until the next request the shard takes
+ * "Write grants").  An fs.create that asked gets one for the file it made,
+ * from 0, so a new file's first write is answered early too (a tool
+ * writing many small files waits for two round trips each, not three).  A grant lives until the next request the shard takes
  * from this ring that is not a write under it, on both sides: link_call
  * ends it here before it sends anything else, the shard on receiving it.
  * behind_try sends a write under the grant (args "granted") without

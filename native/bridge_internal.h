@@ -164,8 +164,9 @@ BRIDGE_INTERNAL void enc_symlink(uint64_t parent, const char *name, const char *
 BRIDGE_INTERNAL void enc_rename(uint64_t parent, const char *name, uint64_t new_parent,
                                 const char *new_name, unsigned flags);
 BRIDGE_INTERNAL void enc_link(uint64_t ino, uint64_t new_parent, const char *new_name);
+/* `asking`: "behind", a grant for the new file's writes (bridge_behind.c). */
 BRIDGE_INTERNAL void enc_create(uint64_t parent, const char *name, uint32_t mode, uint32_t uid,
-                                uint32_t gid, int exclusive);
+                                uint32_t gid, int exclusive, int asking);
 BRIDGE_INTERNAL void enc_read(uint64_t ino, uint64_t offset, uint64_t size);
 BRIDGE_INTERNAL void enc_write(uint64_t ino, uint64_t offset, const void *data, size_t len);
 /* fs.write asking for a grant ("behind": bridge_behind.c), and one sent under it

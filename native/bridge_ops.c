@@ -12,7 +12,8 @@
  * bridge_cache.c) or encodes one fs.* request (bridge_wire.c), makes one
  * round trip (link_call, bridge_link.c; reads and writes larger than the
  * ring's message limit make several), and turns the reply into exactly one
- * fuse_reply_*; a WRITE under the shard's grant is answered once it is in
+ * fuse_reply_*; a WRITE under the shard's grant (which a WRITE or a CREATE
+ * that asked may bring) is answered once it is in
  * the ring, and its reply taken later (bridge_behind.c), so WRITE and FSYNC
  * also report a failure latched for their inode.  Semantics live in the
  * shard: the bridge adds only what the kernel interface needs (negative
@@ -464,13 +465,22 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
     meta_taint(parent);
     attr_drop(parent);
     struct epochs ep = epochs_now();
-    enc_create(parent, name, mode, ctx->uid, ctx->gid, exclusive);
+    int asking = behind_wanted();
+    enc_create(parent, name, mode, ctx->uid, ctx->gid, exclusive, asking);
     int rc = link_call(&res);
     /* Without O_EXCL the shard may answer with a file that already exists. */
-    if (rc != 0)
+    if (rc != 0) {
         fuse_reply_err(req, rc);
-    else
-        reply_entry_from(req, res, 1, fi, exclusive, ep);
+        return;
+    }
+    int64_t grant = 0;
+    struct stat st;
+    fuse_ino_t ino;
+    /* The new file's first write, at 0, may then be answered early (a file that
+     * already existed gets a grant only when it is empty). */
+    if (asking && mp_int(mp_get(res, "grant"), &grant) && attr_from_node(res, &st, &ino) == 0)
+        behind_granted(ino, 0, grant);
+    reply_entry_from(req, res, 1, fi, exclusive, ep);
 }
 
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)

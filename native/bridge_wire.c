@@ -364,10 +364,12 @@ void enc_link(uint64_t ino, uint64_t new_parent, const char *new_name)
 }
 
 void enc_create(uint64_t parent, const char *name, uint32_t mode, uint32_t uid,
-                       uint32_t gid, int exclusive)
+                       uint32_t gid, int exclusive, int asking)
 {
-    req_begin("fs.create", 7);
+    req_begin("fs.create", asking ? 8 : 7);
     kv_bool("attrs", 1);
+    if (asking)
+        kv_bool("behind", 1);
     kv_u64("parent", parent);
     kv_name("name", name);
     kv_u64("mode", mode & 07777);
@@ -701,7 +703,7 @@ static int test_encode(int which, uint8_t *out, uint32_t cap, char *op_out, uint
     case 10: enc_symlink(1, "l", "../target", 1, 2); break;
     case 11: enc_rename(1, "a", 2, "b", 1); break;
     case 12: enc_link(5, 2, "h"); break;
-    case 13: enc_create(1, "c", S_IFREG | 0600, 1, 2, 1); break;
+    case 13: enc_create(1, "c", S_IFREG | 0600, 1, 2, 1, 0); break;
     case 14: enc_read(5, 4096, 65536); break;
     case 15: enc_write(5, 10, DATA, sizeof DATA - 1); break;
     case 16: enc_ino("fs.fsync", 5); break;
@@ -715,7 +717,8 @@ static int test_encode(int which, uint8_t *out, uint32_t cap, char *op_out, uint
     case 24: enc_lseek(5, 100, 3); break;
     case 25: enc_copy_file_range(5, 0, 6, 4096, 1ull << 30); break;
     case 26: enc_access(5, 4); break;
-    case 27: enc_create(1, "c", S_IFREG | 0644, 1, 2, 0); break;
+    case 27: enc_create(1, "c", S_IFREG | 0644, 1, 2, 0, 0); break;
+    case 28: enc_create(1, "c", S_IFREG | 0600, 1, 2, 1, 1); break;
     default: return -ENOENT;
     }
     size_t size = g_bridge.sbuf.size + g_bridge.tail_len;

@@ -166,6 +166,12 @@ EXPECTED: list[tuple[str, dict[str, Any]]] = [
         "fs.create",
         {"parent": 1, "name": "c", "mode": 0o644, "uid": 1, "gid": 2, "exclusive": False} | ATTRS,
     ),
+    (
+        "fs.create",
+        {"parent": 1, "name": "c", "mode": 0o600, "uid": 1, "gid": 2, "exclusive": True}
+        | ATTRS
+        | {"behind": True},
+    ),
 ]
 
 

@@ -3,15 +3,16 @@
 Theory of operation: a write-through mount's bridge waits for the shard's
 reply to every write(2) before it answers the kernel, so a writer streaming
 a file waits on the shard's work for each write in turn.  When a write that
-asked ("behind") extended its file to its end, the shard may answer with a
-grant: the next writes to that inode, each starting where the last ended,
-up to GRANT_BYTES in all, will be applied.  It holds their room first (the
-volume's in-flight bytes, so neither the quota nor the host can refuse
-them), and a write under the grant ("granted") is not refused for journal
-room.  The bridge then answers such writes to the kernel as soon as they are
-in the ring (native/bridge_behind.c).  A grant lives until the next request
-the shard takes from that ring that is not a write under it: both sides end
-it there, so they agree on it without saying so.
+asked ("behind") extended its file to its end, or a create that asked made
+(or found) an empty file, the shard may answer with a grant: the next
+writes to that inode, each starting where the last ended (0 after a
+create), up to GRANT_BYTES in all, will be applied.  It holds their room
+first (the volume's in-flight bytes, so neither the quota nor the host can
+refuse them), and a write under the grant ("granted") is not refused for
+journal room.  The bridge then answers such writes to the kernel as soon as
+they are in the ring (native/bridge_behind.c).  A grant lives until the
+next request the shard takes from that ring that is not a write under it:
+both sides end it there, so they agree on it without saying so.
 
 This module is the pure part, one `LinkGrant` per ring link: the table of
 (state, input) -> state the shard drives, and what room to hold.  The shard
@@ -19,6 +20,7 @@ This module is the pure part, one `LinkGrant` per ring link: the table of
 
     state   input                                   next    effect
     IDLE    a write that asked, applied at its end  HELD    hold room, reply "grant"
+    IDLE    a create that asked, of an empty file   HELD    hold room, reply "grant"
     IDLE    anything else                           IDLE    -
     HELD    a write under it that fits              HELD*   release, apply, hold what is left
     HELD    anything else (and the link's end)      IDLE    release the room

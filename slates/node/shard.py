@@ -166,6 +166,8 @@ _BARRIER_NAMES = tuple(op.encode() for op in sorted(BARRIER_OPS))
 RELEASING_OPS = frozenset({"volume.delete", "snapshot.delete", "gc", "unlink", "rmdir", "bye"})
 RELEASING_OPS |= frozenset({"fs.unlink", "fs.rmdir", "fs.forget", "fs.destroy", "truncate"})
 IO_THREADS = 4  # worker threads for long requests' I/O (captures, landings), per shard
+# Ring requests that may start a write grant (slates.node.grants, Shard._grant).
+GRANTING_OPS = frozenset({"fs.write", "fs.create"})
 _UCRED = struct.Struct("3i")
 
 
@@ -449,7 +451,7 @@ class Shard:
             )
             if request.op not in READ_ONLY_OPS:
                 return pack(error_reply(request.seq, full))
-        granting = link is not None and request.op == "fs.write"
+        granting = link is not None and request.op in GRANTING_OPS
         charged = self._charged(request) if granting else 0
         reply = self._run(hello, request)
         if isinstance(reply, Job):
@@ -481,9 +483,16 @@ class Shard:
     ) -> dict[str, Any]:
         """After a write: promise the next appending writes (slates.node.grants), for a
         write that asked and ended at its file's end, or one under a grant (what is
-        left of it, its room less what the write was charged)."""
+        left of it, its room less what the write was charged); after a create that
+        asked, the writes of the empty file it made (or found), from 0."""
         args = request.args
         result = reply.get("result")
+        if request.op == "fs.create":
+            if reply.get("error") is not None or args.get("behind") is not True:
+                return reply
+            if not isinstance(result, dict) or result.get("size") != 0:
+                return reply  # an existing file's end may need its base's last page
+            return self._offer(link, args["volume"], int(result["ino"]), 0, reply, result)
         data = args.get("data")
         if reply.get("error") is not None or not isinstance(data, bytes):
             return reply
@@ -497,24 +506,42 @@ class Shard:
             left, held = under.left - len(data), under.held - (volume.charged_bytes - charged)
             if left <= 0 or held < left:
                 return reply
-        else:
-            left, held = GRANT_BYTES, GRANT_BYTES + GRANT_MARGIN
-            if self.journal.room < self.journal_headroom + 2 * GRANT_BYTES:
-                return reply  # the journal could not take the promised writes
             try:
-                if volume.getattr(int(args["ino"])).size != end:
-                    return reply  # not an append: the next write may need the base
-            except SlatesError:
+                volume.admit_inflight(held)
+            except CapacityExhausted:
                 return reply
+            link.offer(args["volume"], int(args["ino"]), end, left, held)
+            return reply  # a write under a grant: the bridge counts what is left itself
         try:
-            volume.admit_inflight(held)
+            if volume.getattr(int(args["ino"])).size != end:
+                return reply  # not an append: the next write may need the base
+        except SlatesError:
+            return reply
+        return self._offer(link, args["volume"], int(args["ino"]), end, reply, result)
+
+    def _offer(
+        self,
+        link: LinkGrant,
+        vid: str,
+        ino: int,
+        end: int,
+        reply: dict[str, Any],
+        result: Any,
+    ) -> dict[str, Any]:
+        """A fresh grant of GRANT_BYTES for writes to `ino` from `end`, added to
+        `reply`'s result, when the journal and the volume have room for it."""
+        volume = self.service.volumes.get(vid)
+        if volume is None or not isinstance(result, dict):
+            return reply
+        if self.journal.room < self.journal_headroom + 2 * GRANT_BYTES:
+            return reply  # the journal could not take the promised writes
+        try:
+            volume.admit_inflight(GRANT_BYTES + GRANT_MARGIN)
         except CapacityExhausted:
             return reply
-        link.offer(args["volume"], int(args["ino"]), end, left, held)
-        if not isinstance(result, dict):
-            return reply  # a write under a grant: the bridge counts what is left itself
+        link.offer(vid, ino, end, GRANT_BYTES, GRANT_BYTES + GRANT_MARGIN)
         # A new reply: the saved one (a retry's answer) must not carry an old grant.
-        return {**reply, "result": {**result, "grant": left}}
+        return {**reply, "result": {**result, "grant": GRANT_BYTES}}
 
     def _run(self, hello: Hello, request: Request) -> dict[str, Any] | Job:
         """Run one request and commit its events.  One refused for room that stale page
