@@ -10,10 +10,10 @@
  * will be applied" (it reserved their capacity: slates/fuse/PROTOCOL.md,
  * "Write grants").  An fs.create that asked gets one for the file it made,
  * from 0, so a new file's first write is answered early too (a tool
- * writing many small files waits for two round trips each, not three).  A grant lives until the next request the shard takes
- * from this ring that is not a write under it, on both sides: link_call
- * ends it here before it sends anything else, the shard on receiving it.
- * behind_try sends a write under the grant (args "granted") without
+ * writing many small files waits for two round trips each, not three).
+ * A grant lives until the next request the shard takes from this ring that
+ * is not a write under it, on both sides: link_call ends it here before it
+ * sends anything else, the shard on receiving it.  behind_try sends a write under the grant (args "granted") without
  * waiting, and the callback answers the kernel at once.  Its seq, inode and
  * frame position wait in a FIFO (at most BEHIND_MAX; a full FIFO first
  * waits for its oldest reply) until the shard's reply comes, in order,

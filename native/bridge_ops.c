@@ -13,9 +13,9 @@
  * round trip (link_call, bridge_link.c; reads and writes larger than the
  * ring's message limit make several), and turns the reply into exactly one
  * fuse_reply_*; a WRITE under the shard's grant (which a WRITE or a CREATE
- * that asked may bring) is answered once it is in
- * the ring, and its reply taken later (bridge_behind.c), so WRITE and FSYNC
- * also report a failure latched for their inode.  Semantics live in the
+ * that asked may bring) is answered once it is in the ring, and its reply
+ * taken later (bridge_behind.c), so WRITE and FSYNC also report a failure
+ * latched for their inode.  Semantics live in the
  * shard: the bridge adds only what the kernel interface needs (negative
  * entries for NotFound, entry and attribute timeouts, readdirplus buffer
  * packing, xattr size probes).
@@ -82,16 +82,17 @@ static struct epochs epochs_now(void)
         }                                                                                  \
     } while (0)
 
-/* Answer an ENTRY reply.  `fresh`: the request made this inode (it has no
- * xattrs yet); `ep`: epochs_now() from before the request was sent. */
-static void reply_entry_from(fuse_req_t req, const msgpack_object *res, int create,
-                             struct fuse_file_info *fi, int fresh, struct epochs ep)
+/* Answer an ENTRY reply; the node answered, or 0 (EIO: no usable ATTR).
+ * `fresh`: the request made this inode (it has no xattrs yet); `ep`:
+ * epochs_now() from before the request was sent. */
+static fuse_ino_t reply_entry_from(fuse_req_t req, const msgpack_object *res, int create,
+                                   struct fuse_file_info *fi, int fresh, struct epochs ep)
 {
     struct fuse_entry_param e;
     memset(&e, 0, sizeof e);
     if (attr_from_node(res, &e.attr, &e.ino) != 0) {
         fuse_reply_err(req, EIO);
-        return;
+        return 0;
     }
     if (fresh || attr_has_no_xattrs(res))
         absent_mark_inode(e.ino, ep.absent);
@@ -108,6 +109,7 @@ static void reply_entry_from(fuse_req_t req, const msgpack_object *res, int crea
     } else {
         fuse_reply_entry(req, &e);
     }
+    return e.ino;
 }
 
 /* Send the encoded request and answer with the ENTRY it returns; `fresh`
@@ -473,14 +475,13 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
         fuse_reply_err(req, rc);
         return;
     }
+    fuse_ino_t ino = reply_entry_from(req, res, 1, fi, exclusive, ep);
     int64_t grant = 0;
-    struct stat st;
-    fuse_ino_t ino;
     /* The new file's first write, at 0, may then be answered early (a file that
-     * already existed gets a grant only when it is empty). */
-    if (asking && mp_int(mp_get(res, "grant"), &grant) && attr_from_node(res, &st, &ino) == 0)
+     * already existed gets a grant only when it is empty).  The kernel's WRITE
+     * cannot overtake this: it waits for the link lock, held until we return. */
+    if (asking && ino != 0 && mp_int(mp_get(res, "grant"), &grant))
         behind_granted(ino, 0, grant);
-    reply_entry_from(req, res, 1, fi, exclusive, ep);
 }
 
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)

@@ -68,6 +68,7 @@ from slates.core.records import (
     Unlink,
     Write,
 )
+from slates.core.volume import Volume
 from slates.errors import (
     AccessDenied,
     CapacityExhausted,
@@ -487,61 +488,67 @@ class Shard:
         asked, the writes of the empty file it made (or found), from 0."""
         args = request.args
         result = reply.get("result")
-        if request.op == "fs.create":
-            if reply.get("error") is not None or args.get("behind") is not True:
-                return reply
-            if not isinstance(result, dict) or result.get("size") != 0:
-                return reply  # an existing file's end may need its base's last page
-            return self._offer(link, args["volume"], int(result["ino"]), 0, reply, result)
-        data = args.get("data")
-        if reply.get("error") is not None or not isinstance(data, bytes):
+        if reply.get("error") is not None:
             return reply
-        if under is None and (args.get("behind") is not True or not isinstance(result, dict)):
-            return reply
-        volume = self.service.volumes.get(args["volume"])
+        vid = args["volume"]  # a request that succeeded named its volume
+        volume = self.service.volumes.get(vid)
         if volume is None:
             return reply
-        end = int(args["offset"]) + len(data)
+        if request.op == "fs.create":
+            if args.get("behind") is not True or not isinstance(result, dict):
+                return reply
+            if result.get("size") != 0:
+                return reply  # an existing file's end may need its base's last page
+            return self._offer(link, vid, volume, int(result["ino"]), 0, reply, result)
+        data = args.get("data")
+        if not isinstance(data, bytes):
+            return reply
+        ino, end = int(args["ino"]), int(args["offset"]) + len(data)
         if under is not None:
             left, held = under.left - len(data), under.held - (volume.charged_bytes - charged)
-            if left <= 0 or held < left:
-                return reply
-            try:
-                volume.admit_inflight(held)
-            except CapacityExhausted:
-                return reply
-            link.offer(args["volume"], int(args["ino"]), end, left, held)
+            if left > 0 and held >= left:
+                self._hold(link, vid, volume, ino, end, left, held)
             return reply  # a write under a grant: the bridge counts what is left itself
+        if args.get("behind") is not True or not isinstance(result, dict):
+            return reply
         try:
-            if volume.getattr(int(args["ino"])).size != end:
+            if volume.getattr(ino).size != end:
                 return reply  # not an append: the next write may need the base
         except SlatesError:
             return reply
-        return self._offer(link, args["volume"], int(args["ino"]), end, reply, result)
+        return self._offer(link, vid, volume, ino, end, reply, result)
 
     def _offer(
         self,
         link: LinkGrant,
         vid: str,
+        volume: Volume,
         ino: int,
         end: int,
         reply: dict[str, Any],
-        result: Any,
+        result: dict[str, Any],
     ) -> dict[str, Any]:
         """A fresh grant of GRANT_BYTES for writes to `ino` from `end`, added to
         `reply`'s result, when the journal and the volume have room for it."""
-        volume = self.service.volumes.get(vid)
-        if volume is None or not isinstance(result, dict):
-            return reply
         if self.journal.room < self.journal_headroom + 2 * GRANT_BYTES:
             return reply  # the journal could not take the promised writes
-        try:
-            volume.admit_inflight(GRANT_BYTES + GRANT_MARGIN)
-        except CapacityExhausted:
+        if not self._hold(link, vid, volume, ino, end, GRANT_BYTES, GRANT_BYTES + GRANT_MARGIN):
             return reply
-        link.offer(vid, ino, end, GRANT_BYTES, GRANT_BYTES + GRANT_MARGIN)
         # A new reply: the saved one (a retry's answer) must not carry an old grant.
         return {**reply, "result": {**result, "grant": GRANT_BYTES}}
+
+    @staticmethod
+    def _hold(
+        link: LinkGrant, vid: str, volume: Volume, ino: int, end: int, left: int, held: int
+    ) -> bool:
+        """Hold `held` bytes of `volume`'s room and make them `link`'s grant of `left`
+        bytes for writes to `ino` from `end`; False when the volume cannot."""
+        try:
+            volume.admit_inflight(held)
+        except CapacityExhausted:
+            return False
+        link.offer(vid, ino, end, left, held)
+        return True
 
     def _run(self, hello: Hello, request: Request) -> dict[str, Any] | Job:
         """Run one request and commit its events.  One refused for room that stale page
