@@ -73,6 +73,18 @@
  * live base) comes in a listing without attributes, so the kernel looks it
  * up when it needs it (bridge_meta.c, changing()).
  *
+ * An external umount.  The readers hold directories and files of the mount
+ * open a moment at a time, and umount(8) refuses a mount something holds
+ * open ("target is busy"), so a user's umount in the first seconds of a
+ * mount would fail now and then because of the walk.  So each reader walks
+ * in a mount namespace of its own, with private propagation (when the bridge
+ * has CAP_SYS_ADMIN): what it holds pins its own copy of the mount, the
+ * user's umount succeeds, and the kernel keeps the connection while that
+ * copy lives.  The prefetch thread watches the mount table meanwhile, and
+ * once the mountpoint no longer names the mount it ends the walk, killing
+ * the readers: the copy goes with them, and the bridge ends as after any
+ * unmount.
+ *
  * Bounded: PREFETCH_STACK directories and PREFETCH_FILES files wait (more
  * are refused), at most PREFETCH_READERS_MAX readers list, and at most
  * PREFETCH_CONTENT_BYTES (plus one file) are read ahead;
@@ -93,6 +105,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -469,6 +482,12 @@ static void child_main(int cmd, int res, const char *mountpoint, char *buf)
         _exit(1);
     syscall(SYS_close_range, 2u, ~0u, 0u); /* /dev/fuse, rings, sockets, logs: none */
     prctl(PR_SET_PDEATHSIG, SIGKILL);
+    /* Its own mount namespace, private: what it holds open pins its copy of the
+     * mount, so a user's umount of the mountpoint is never refused busy because
+     * of the walk (see "An external umount" above).  Without CAP_SYS_ADMIN it
+     * walks in the caller's namespace, as before. */
+    if (unshare(CLONE_NEWNS) == 0)
+        (void)mount("none", "/", NULL, MS_REC | MS_PRIVATE, NULL);
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -603,6 +622,13 @@ static int take_answer(struct reader *r)
     return 0;
 }
 
+/* The device of what `path` names now (0: none). */
+static dev_t device_at(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 ? st.st_dev : 0;
+}
+
 static void *prefetch_thread(void *unused)
 {
     (void)unused;
@@ -610,8 +636,13 @@ static void *prefetch_thread(void *unused)
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL); /* the loop threads take the signals */
     unsigned n = g_pf.nreaders; /* fixed once the thread runs */
+    /* The mount table, polled for changes (POLLPRI), and the mount's device
+     * (the loop threads answer this stat): when the mountpoint stops naming
+     * it, the user unmounted it, and the walk ends with its readers. */
+    int table = open("/proc/self/mountinfo", O_RDONLY | O_CLOEXEC);
+    dev_t mounted = device_at(g_pf.mountpoint);
     for (int gone = 0; !gone;) {
-        struct pollfd fds[PREFETCH_READERS_MAX];
+        struct pollfd fds[PREFETCH_READERS_MAX + 1];
         unsigned busy = 0;
         for (unsigned i = 0; i < n && !gone; i++) {
             struct reader *r = &g_pf.readers[i];
@@ -624,13 +655,20 @@ static void *prefetch_thread(void *unused)
         }
         if (gone || busy == 0)
             break; /* the walk is done (nothing listing, nothing left), or a reader is gone */
-        if (poll(fds, n, -1) < 0 && errno != EINTR)
+        fds[n].fd = mounted != 0 ? table : -1;
+        fds[n].events = POLLPRI;
+        fds[n].revents = 0;
+        if (poll(fds, n + 1, -1) < 0 && errno != EINTR)
             break;
+        if ((fds[n].revents & (POLLPRI | POLLERR)) && device_at(g_pf.mountpoint) != mounted)
+            break; /* unmounted from outside */
         for (unsigned i = 0; i < n && !gone; i++) {
             if (fds[i].fd >= 0 && (fds[i].revents & (POLLIN | POLLHUP | POLLERR)))
                 gone = take_answer(&g_pf.readers[i]) != 0;
         }
     }
+    if (table >= 0)
+        close(table);
     reap_readers();
     return NULL;
 }

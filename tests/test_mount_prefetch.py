@@ -15,8 +15,8 @@ GETATTR (and a base file changed after its read-ahead reads as before, then as
 drift once its pages are dropped); names added, removed and renamed in the base
 after the walk show in listings, however often the directory was listed before;
 the walk stops at its budget and lists nothing on demand; changes made in the
-mount while the walk runs end exactly as on tmpfs; and an unmount in the middle of
-a walk is clean.
+mount while the walk runs end exactly as on tmpfs; an unmount in the middle of a
+walk is clean, and so is a user's umount(8) then (never "target is busy").
 """
 
 from __future__ import annotations
@@ -399,6 +399,31 @@ def children_of(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(int(entry))
     return out
+
+
+def test_a_users_umount_in_the_middle_of_a_walk_succeeds(service: Service, tmp_path: Path) -> None:
+    """umount(8) refuses a mount something holds open; the walk's readers hold the
+    mount's directories and files open a moment at a time, but in a mount namespace
+    of their own, so a user's umount while they walk succeeds at once, the walk ends,
+    and the bridge exits (the anchor then lists no mount)."""
+    base = tmp_path / "base"
+    make_tree(base, 100, 100)
+    with Client(service.runtime) as client:
+        vid = client.create_volume("umounted", base=base)["id"]
+        for round_ in range(3):
+            where = tmp_path / f"mnt{round_}"
+            where.mkdir()
+            bridge = int(client.mount(vid, where)["pid"])
+            try:
+                wait_for(lambda: children_of(bridge) != [])  # noqa: B023 (the reader, walking)
+                done = subprocess.run(["umount", str(where)], capture_output=True, text=True)
+                assert done.returncode == 0, (round_, done.stderr)
+                assert not is_mounted(str(where)) and os.listdir(where) == []
+                wait_for(lambda: client.mounts() == [], 30)
+                assert not Path(f"/proc/{bridge}").exists() or exited_unreaped(bridge)
+            finally:
+                if is_mounted(str(where)):
+                    subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def test_a_bridge_killed_in_the_middle_of_a_walk_exits(service: Service, tmp_path: Path) -> None:

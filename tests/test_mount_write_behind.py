@@ -7,7 +7,9 @@ SDK, with reads and stats between the writes seeing every earlier write; a
 shard killed with SIGKILL in the middle of a stream loses no write the writer
 was answered (the bridge sends the unanswered ones again), nor does one
 killed while a tool makes many small files, whose first writes are answered
-early under the grant each create brought; a bridge killed in
+early under the grant each create brought; an SDK read or write asked for
+while answered writes wait in the ring sees them and lands after them; a
+bridge killed in
 the middle leaves every answered write in the volume (the shard applies what
 the dead bridge queued); a bounded volume still refuses the write that does
 not fit, at that write, with nothing answered early lost; and the grant's
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import random
 import signal
@@ -41,6 +44,7 @@ from slates.node.grants import Grant, GrantState, LinkGrant
 from tests.anchor_fixture import Service, service
 from tests.test_mount import mounted, wait_for_restart
 from tests.test_mount_clean_reads import counters, uncached_read
+from tests.test_mount_prefetch import settled
 
 __all__ = ["service"]
 
@@ -292,6 +296,76 @@ def test_small_files_made_while_the_shard_is_killed_are_all_there(
     early = seen["behind_writes"] - before.get("behind_writes", 0)
     # Without a grant at create, a file's only write waits for the shard.
     assert early > count // 2 and seen["reconnects"] >= 1, (seed, early, seen)
+
+
+def _answered_while_stopped(shard: int, write: Any) -> None:
+    """Stop the shard and run `write` (a write(2) through the mount): it must be
+    answered early, from the ring, and the shard stays stopped; a write that waits
+    for the shard fails the test (after the shard is let go, so nothing hangs)."""
+    done = threading.Event()
+
+    def run() -> None:
+        write()
+        done.set()
+
+    writer = threading.Thread(target=run)
+    os.kill(shard, signal.SIGSTOP)
+    try:
+        writer.start()
+        answered = done.wait(10)
+    finally:
+        if not done.is_set():
+            os.kill(shard, signal.SIGCONT)
+    writer.join(60)
+    assert answered, "a write under the grant waited for the stopped shard"
+
+
+@needs_fuse
+def test_sdk_requests_see_and_follow_every_write_a_mount_answered(
+    service: Service, tmp_path: Path
+) -> None:
+    """Writes answered early wait in the ring while the shard is stopped.  An SDK read
+    asked for then must see them, and an SDK write asked for then must land after
+    them (Shard._quiesce): what a program saw succeed is what every other client sees,
+    and comes before what they do next.  Which of the ring and the socket the resumed
+    shard serves first is up to its scheduler, so each is tried in several rounds."""
+    base = tmp_path / "base"
+    base.mkdir()
+    with Client(service.runtime) as client:
+        created = client.create_volume("order", base=base)
+        vid = created["id"]
+        shard = service.shard_pids()[int(created["shard"])]
+        with mounted(client, vid, tmp_path / "mnt") as mnt:
+            settled(service.runtime, vid)  # the prefetch walk's requests would end grants
+            for round_ in range(6):
+                path = f"/r{round_}"
+                with open(mnt / path[1:], "xb", buffering=0) as f:
+                    f.write(b"a" * 4096)  # under the grant its create brought
+                    _answered_while_stopped(shard, lambda: f.write(b"b" * 4096))
+                    seen = _asked_while_stopped(shard, functools.partial(client.read, vid, path))
+                    assert seen == b"a" * 4096 + b"b" * 4096, (round_, len(seen))
+                    _answered_while_stopped(shard, lambda: f.write(b"c" * 4096))
+                    _asked_while_stopped(
+                        shard, functools.partial(client.write, vid, path, b"d" * 4096, 8192)
+                    )
+                held = client.read(vid, path)
+                assert held == b"a" * 4096 + b"b" * 4096 + b"d" * 4096, (round_, held[8192:8200])
+                assert (mnt / path[1:]).read_bytes() == held, round_
+
+
+def _asked_while_stopped(shard: int, ask: Any) -> Any:
+    """What `ask` (an SDK call) returns when asked for while the shard is stopped
+    (stopped by _answered_while_stopped), the shard let go once the request waits."""
+    got: list[Any] = []
+    asker = threading.Thread(target=lambda: got.append(ask()))
+    try:
+        asker.start()
+        time.sleep(0.2)  # the request waits at the stopped shard
+    finally:
+        os.kill(shard, signal.SIGCONT)
+    asker.join(60)
+    assert got, "the SDK request failed"
+    return got[0]
 
 
 @needs_fuse

@@ -53,7 +53,9 @@ Directory prefetch (native/bridge_prefetch.c): once the mount serves, a C
 thread has child processes list the clean directories through the mount (a
 walk from the root, up to 8,192 entries), so the kernel learns their entries
 from READDIRPLUS instead of a LOOKUP per name, and keeps their listings;
-$SLATES_BRIDGE_PREFETCH=0 turns it off (prefetch_wanted()).  Once the
+$SLATES_BRIDGE_PREFETCH=0 turns it off (prefetch_wanted()).  The children
+walk in a mount namespace of their own, so what they hold open never makes
+a user's umount(8) of the mountpoint fail as busy.  Once the
 listings are done, the walk reads the listed directories' regular files of
 up to 256 KiB through the mount (at most 64 MiB a mount; not the root's
 .git), so a first grep or build finds their pages cached;

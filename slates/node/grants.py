@@ -12,7 +12,10 @@ refuse them), and a write under the grant ("granted") is not refused for
 journal room.  The bridge then answers such writes to the kernel as soon as
 they are in the ring (native/bridge_behind.c).  A grant lives until the
 next request the shard takes from that ring that is not a write under it:
-both sides end it there, so they agree on it without saying so.
+both sides end it there, so they agree on it without saying so.  Another
+client's request that names the volume waits until the mount's ring is
+answered up to where it was when that request came (Shard._quiesce), so
+what a program saw written is what an SDK read, write or snapshot sees.
 
 This module is the pure part, one `LinkGrant` per ring link: the table of
 (state, input) -> state the shard drives, and what room to hold.  The shard

@@ -25,7 +25,10 @@ anchor's log), so the bug can be found.
 Connections: a hello on the socket names the client; the peer's uid must
 be ours or root (SO_PEERCRED).  With rings, the shard passes a ring pair's
 fds with its answer and serves requests from the ring; the socket then
-only carries liveness (EOF means the client is gone).
+only carries liveness (EOF means the client is gone).  A mount's bridge
+answers writes under a grant before they are applied (slates.node.grants),
+so any other client's request that names a mounted volume first waits
+until that mount's ring is answered up to where it was (_quiesce).
 """
 
 from __future__ import annotations
@@ -158,11 +161,9 @@ MIN_APPROVER_KEY = 32  # bytes: a shorter (an empty) credential approves nothing
 RING_CAPACITY = 4 << 20
 TRIM_BYTES = 16 << 20  # private bytes let go before freed heap goes back to the host
 JOURNAL_HEADROOM = (64 << 20) + (1 << 20)  # room for the largest frame, kept for deletions
-# Requests whose effect must include every write a mount of their volume already
-# answered (the attachment barrier): those in its ring are applied first (_quiesce).
-BARRIER_OPS = frozenset({"snapshot", "submit", "rebase"})
+# How long another client's request on a mounted volume waits for the mount's ring
+# to be answered up to where it was when the request came (_quiesce).
 BARRIER_SECONDS = 30.0
-_BARRIER_NAMES = tuple(op.encode() for op in sorted(BARRIER_OPS))
 # What a nearly full journal still takes: requests that let go of memory.
 RELEASING_OPS = frozenset({"volume.delete", "snapshot.delete", "gc", "unlink", "rmdir", "bye"})
 RELEASING_OPS |= frozenset({"fs.unlink", "fs.rmdir", "fs.forget", "fs.destroy", "truncate"})
@@ -184,6 +185,13 @@ def _failpoint_after_commit() -> None:
         os.unlink(flag)
         _log("failpoint: crashing after a commit, before its reply")
         os._exit(9)
+
+
+def _decoded(message: bytes | memoryview | Parts) -> Request:
+    """A request as it came off a ring or a socket (SlatesError if it is not one)."""
+    if isinstance(message, Parts):
+        return parse_request(unpack_parts(message.head, message.tail))
+    return parse_request(unpack_request(message))
 
 
 def _log(message: str) -> None:
@@ -419,12 +427,7 @@ class Shard:
         """One request's packed reply, or the job a long request became (see answer).
         `link` is the write grant of the ring the request came on (slates.node.grants)."""
         try:
-            decoded = (
-                unpack_parts(message.head, message.tail)
-                if isinstance(message, Parts)
-                else unpack_request(message)
-            )
-            request = parse_request(decoded)
+            request = _decoded(message)
         except SlatesError as exc:
             if link is not None:
                 self._release_grant(link.end())
@@ -590,7 +593,7 @@ class Shard:
     ) -> bytes:
         """The packed reply to one request; a long request's job runs to its end here,
         its I/O in worker threads and other connections' requests between its steps."""
-        if self.ring_links and hello.mount is None:  # (a bridge asks for no barrier)
+        if self.ring_links and hello.mount is None:  # (a bridge's own: no wait)
             refused = await self._quiesce(message)
             if refused is not None:
                 return refused
@@ -604,30 +607,34 @@ class Shard:
         return outcome
 
     async def _quiesce(self, message: bytes | memoryview | Parts) -> bytes | None:
-        """Before a BARRIER_OPS request: wait until each mount of its volume has had
-        every request it had pushed by now answered (a mount answers writes under a
-        grant before the shard applies them: slates.node.grants).  None, or the packed
-        refusal when a mount's ring does not drain within BARRIER_SECONDS."""
-        if isinstance(message, Parts) or len(message) > MAX_HELLO:
-            return None  # a write's data, not a barrier request
-        raw = message if isinstance(message, bytes) else bytes(message)
-        if not any(op in raw for op in _BARRIER_NAMES):
-            return None  # (a byte search, not a second decode of every request)
-        try:
-            request = parse_request(unpack_request(raw))
-        except SlatesError:
-            return None  # handle refuses it
-        vid = request.args.get("volume")
-        if request.op not in BARRIER_OPS or not isinstance(vid, str):
-            return None
-        waits = [(ring, ring.pair.requests.positions()[0]) for ring in self.ring_links.get(vid, ())]
+        """Before another client's request that names a mounted volume: wait until each
+        mount of that volume has had every request it had pushed by now answered.  A
+        mount answers writes under a grant before the shard applies them
+        (slates.node.grants); without this wait a read could miss a write a program
+        already saw succeed, a snapshot could miss it, and a write could be overtaken
+        by one answered before it.  None, or the packed refusal when a mount's ring
+        does not drain within BARRIER_SECONDS."""
+        pending = [
+            (vid, ring, target)
+            for vid, rings in self.ring_links.items()
+            for ring in rings
+            if ring.live and ring.done_to < (target := ring.pair.requests.positions()[0])
+        ]
+        if not pending:
+            return None  # the usual case: every mount's ring is answered
+        raw = message.head if isinstance(message, Parts) else bytes(message)
+        # (a byte search for the volume's id, not a decode of every request: a
+        # false match only waits for a ring that is being answered anyway)
+        waits = [(ring, target) for vid, ring, target in pending if vid.encode() in raw]
         deadline = trio.current_time() + BARRIER_SECONDS
         while any(ring.live and ring.done_to < target for ring, target in waits):
             if trio.current_time() > deadline:
-                stuck = SnapshotBarrierFailed(
-                    "a mount's requests were not all applied in time", volume=vid
-                )
-                return pack(error_reply(request.seq, stuck))
+                try:
+                    seq = _decoded(message).seq
+                except SlatesError:
+                    return None  # handle refuses it
+                stuck = SnapshotBarrierFailed("a mount's requests were not all applied in time")
+                return pack(error_reply(seq, stuck))
             await trio.sleep(0.001)
         return None
 
