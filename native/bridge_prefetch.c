@@ -80,9 +80,11 @@
  * in a mount namespace of its own, with private propagation (when the bridge
  * has CAP_SYS_ADMIN): what it holds pins its own copy of the mount, the
  * user's umount succeeds, and the kernel keeps the connection while that
- * copy lives.  The prefetch thread watches the mount table meanwhile, and
- * once the mountpoint no longer names the mount it ends the walk, killing
- * the readers: the copy goes with them, and the bridge ends as after any
+ * copy lives.  The prefetch thread watches the mount table meanwhile (its
+ * text, never a stat of the mountpoint: that path walk holds the mount too,
+ * and refused one umount in four right after a mount), and once the
+ * mountpoint no longer names the mount it ends the walk, killing the
+ * readers: the copy goes with them, and the bridge ends as after any
  * unmount.
  *
  * Bounded: PREFETCH_STACK directories and PREFETCH_FILES files wait (more
@@ -622,11 +624,46 @@ static int take_answer(struct reader *r)
     return 0;
 }
 
-/* The device of what `path` names now (0: none). */
-static dev_t device_at(const char *path)
+/* The device ("major:minor" as the mount table writes it) of the topmost mount
+ * at `mountpoint`, from /proc/self/mountinfo: 0, or -1 when none is there.  Not
+ * a stat of the mountpoint: its path walk would hold the mount, and a user's
+ * umount at that moment would be refused busy. */
+static int device_mounted_at(const char *mountpoint, char *device, size_t size)
 {
-    struct stat st;
-    return stat(path, &st) == 0 ? st.st_dev : 0;
+    FILE *table = fopen("/proc/self/mountinfo", "re");
+    if (table == NULL)
+        return -1;
+    char *line = NULL, *field[5];
+    size_t cap = 0;
+    int found = -1;
+    while (getline(&line, &cap, table) > 0) {
+        /* id parent major:minor root mountpoint ...; the mountpoint's spaces,
+         * tabs, newlines and backslashes are written as \ooo octal escapes */
+        char *save = NULL, *at = line;
+        int n = 0;
+        while (n < 5 && (field[n] = strtok_r(at, " ", &save)) != NULL)
+            at = NULL, n++;
+        if (n < 5)
+            continue;
+        char *out = field[4];
+        for (const char *in = field[4]; *in; out++) {
+            if (in[0] == '\\' && in[1] >= '0' && in[1] <= '3' && in[2] >= '0' && in[2] <= '7' &&
+                in[3] >= '0' && in[3] <= '7') {
+                *out = (char)((in[1] - '0') * 64 + (in[2] - '0') * 8 + (in[3] - '0'));
+                in += 4;
+            } else {
+                *out = *in++;
+            }
+        }
+        *out = '\0';
+        if (strcmp(field[4], mountpoint) == 0 && strlen(field[2]) < size) {
+            strcpy(device, field[2]); /* later lines are mounted over earlier ones */
+            found = 0;
+        }
+    }
+    free(line);
+    fclose(table);
+    return found;
 }
 
 static void *prefetch_thread(void *unused)
@@ -636,11 +673,12 @@ static void *prefetch_thread(void *unused)
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL); /* the loop threads take the signals */
     unsigned n = g_pf.nreaders; /* fixed once the thread runs */
-    /* The mount table, polled for changes (POLLPRI), and the mount's device
-     * (the loop threads answer this stat): when the mountpoint stops naming
-     * it, the user unmounted it, and the walk ends with its readers. */
+    /* The mount table, polled for changes (POLLPRI), and the mount's device:
+     * when the topmost mount at the mountpoint is no longer it, the user
+     * unmounted it, and the walk ends with its readers. */
     int table = open("/proc/self/mountinfo", O_RDONLY | O_CLOEXEC);
-    dev_t mounted = device_at(g_pf.mountpoint);
+    char mounted[32], now[32];
+    int watching = table >= 0 && device_mounted_at(g_pf.mountpoint, mounted, sizeof mounted) == 0;
     for (int gone = 0; !gone;) {
         struct pollfd fds[PREFETCH_READERS_MAX + 1];
         unsigned busy = 0;
@@ -655,12 +693,13 @@ static void *prefetch_thread(void *unused)
         }
         if (gone || busy == 0)
             break; /* the walk is done (nothing listing, nothing left), or a reader is gone */
-        fds[n].fd = mounted != 0 ? table : -1;
+        fds[n].fd = watching ? table : -1;
         fds[n].events = POLLPRI;
         fds[n].revents = 0;
         if (poll(fds, n + 1, -1) < 0 && errno != EINTR)
             break;
-        if ((fds[n].revents & (POLLPRI | POLLERR)) && device_at(g_pf.mountpoint) != mounted)
+        if ((fds[n].revents & (POLLPRI | POLLERR)) &&
+            (device_mounted_at(g_pf.mountpoint, now, sizeof now) != 0 || strcmp(now, mounted) != 0))
             break; /* unmounted from outside */
         for (unsigned i = 0; i < n && !gone; i++) {
             if (fds[i].fd >= 0 && (fds[i].revents & (POLLIN | POLLHUP | POLLERR)))
