@@ -370,23 +370,6 @@ def test_a_base_file_changed_after_it_was_read_ahead_is_drift_once_its_pages_go(
             os.close(fd)
 
 
-def test_an_unmount_in_the_middle_of_a_walk_is_clean(service: Service, tmp_path: Path) -> None:
-    base = tmp_path / "base"
-    make_tree(base, 100, 100)
-    with Client(service.runtime) as client:
-        vid = client.create_volume("cut", base=base)["id"]
-        for round_ in range(3):
-            where = tmp_path / f"mnt{round_}"
-            where.mkdir()
-            client.mount(vid, where)
-            client.unmount(where)  # the walk has barely begun
-            assert not is_mounted(str(where))
-            assert os.listdir(where) == []
-        wait_for(lambda: client.mounts() == [])
-        leftover = subprocess.run(["mount"], capture_output=True, text=True, check=True).stdout
-        assert str(tmp_path) not in leftover
-
-
 def children_of(pid: int) -> list[int]:
     """The processes whose parent is `pid` (a bridge's: its prefetch readers)."""
     out = []
@@ -401,32 +384,41 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
-def test_a_users_umount_in_the_middle_of_a_walk_succeeds(service: Service, tmp_path: Path) -> None:
-    """umount(8) refuses a mount something holds open, even for a moment; the walk's
-    readers hold the mount's directories and files open a moment at a time, but in a
-    mount namespace of their own, and the bridge watches the mount table without
-    touching the mountpoint.  So a user's umount succeeds, whether it comes while a
-    reader walks or the instant the mount returns, the walk ends, and the bridge
-    exits (the anchor then lists no mount)."""
+@pytest.mark.parametrize("how", ["slates unmount", "umount(8)"])
+def test_an_unmount_in_the_middle_of_a_walk_is_clean(
+    service: Service, tmp_path: Path, how: str
+) -> None:
+    """Unmounted while the walk runs, through Slates or by a user's umount(8): nothing
+    stays mounted or listed, and the bridge exits.  umount(8) refuses a mount that
+    anything holds open, even for a moment; the walk's readers hold the mount's
+    directories and files open a moment at a time, but in a mount namespace of
+    their own, and the bridge watches the mount table without touching the
+    mountpoint, so a user's umount succeeds whether it comes while a reader walks
+    or the instant the mount returns."""
     base = tmp_path / "base"
     make_tree(base, 100, 100)
     with Client(service.runtime) as client:
-        vid = client.create_volume("umounted", base=base)["id"]
-        for round_ in range(20):
+        vid = client.create_volume("cut", base=base)["id"]
+        for round_ in range(3 if how == "slates unmount" else 20):
             where = tmp_path / f"mnt{round_}"
             where.mkdir()
             bridge = int(client.mount(vid, where)["pid"])
             try:
-                if round_ < 3:
-                    wait_for(lambda: children_of(bridge) != [])  # noqa: B023 (a reader walks)
-                done = subprocess.run(["umount", str(where)], capture_output=True, text=True)
-                assert done.returncode == 0, (round_, done.stderr)
+                if how == "slates unmount":
+                    client.unmount(where)  # the walk has barely begun
+                else:
+                    if round_ < 3:
+                        wait_for(lambda: children_of(bridge) != [])  # noqa: B023 (a reader walks)
+                    done = subprocess.run(["umount", str(where)], capture_output=True, text=True)
+                    assert done.returncode == 0, (round_, done.stderr)
                 assert not is_mounted(str(where)) and os.listdir(where) == []
                 wait_for(lambda: client.mounts() == [], 30)
                 assert not Path(f"/proc/{bridge}").exists() or exited_unreaped(bridge)
             finally:
                 if is_mounted(str(where)):
                     subprocess.run(["umount", "-l", str(where)], check=False)
+        leftover = subprocess.run(["mount"], capture_output=True, text=True, check=True).stdout
+        assert str(tmp_path) not in leftover
 
 
 def test_a_bridge_killed_in_the_middle_of_a_walk_exits(service: Service, tmp_path: Path) -> None:
