@@ -320,6 +320,21 @@ def _answered_while_stopped(shard: int, write: Any) -> None:
     assert answered, "a write under the grant waited for the stopped shard"
 
 
+def _asked_while_stopped(shard: int, ask: Any) -> Any:
+    """What `ask` (an SDK call) returns when asked for while the shard is stopped
+    (stopped by _answered_while_stopped), the shard let go once the request waits."""
+    got: list[Any] = []
+    asker = threading.Thread(target=lambda: got.append(ask()))
+    try:
+        asker.start()
+        time.sleep(0.2)  # the request waits at the stopped shard
+    finally:
+        os.kill(shard, signal.SIGCONT)
+    asker.join(60)
+    assert got, "the SDK request failed"
+    return got[0]
+
+
 @needs_fuse
 def test_sdk_requests_see_and_follow_every_write_a_mount_answered(
     service: Service, tmp_path: Path
@@ -351,21 +366,6 @@ def test_sdk_requests_see_and_follow_every_write_a_mount_answered(
                 held = client.read(vid, path)
                 assert held == b"a" * 4096 + b"b" * 4096 + b"d" * 4096, (round_, held[8192:8200])
                 assert (mnt / path[1:]).read_bytes() == held, round_
-
-
-def _asked_while_stopped(shard: int, ask: Any) -> Any:
-    """What `ask` (an SDK call) returns when asked for while the shard is stopped
-    (stopped by _answered_while_stopped), the shard let go once the request waits."""
-    got: list[Any] = []
-    asker = threading.Thread(target=lambda: got.append(ask()))
-    try:
-        asker.start()
-        time.sleep(0.2)  # the request waits at the stopped shard
-    finally:
-        os.kill(shard, signal.SIGCONT)
-    asker.join(60)
-    assert got, "the SDK request failed"
-    return got[0]
 
 
 @needs_fuse
