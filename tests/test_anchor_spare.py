@@ -10,8 +10,11 @@ with SIGKILL before a mount, or while it holds its job unread, does not
 fail the mount; a spare's own refusal is the mount's error; `gc` never reaps the
 spare and the state file never lists it; stopping the anchor with a spare
 alive leaves no bridge process and no mount behind.  The job line the anchor
-writes is checked against the bridge's own parser, for every job.  No
-timing is asserted.
+writes is checked against the bridge's own parser, for every job.  A spare
+starts deferred (SCHED_IDLE) where the anchor may raise it again: it is
+raised when its deadline passes (`resume` is told the time, so no clock is
+raced) or when it gets its job, and every thread of the bridge it becomes
+serves at normal priority.  No timing is asserted.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import array
 import fcntl
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -35,7 +39,7 @@ from hypothesis import strategies as st
 
 from slates.fuse.bridge import MountJob, parse_mount_job
 from slates.node.anchor import is_mounted
-from slates.node.mounts import BridgeJob
+from slates.node.mounts import BridgeJob, _can_resume, give_job, let_go, resume, start_spare
 from slates.sdk.client import Client
 from tests.anchor_fixture import Service, service
 from tests.test_bridge_unit import needs_fuse
@@ -304,3 +308,73 @@ def test_a_spare_killed_holding_its_job_is_replaced_by_a_fresh_bridge(
     assert (where / "hello.txt").read_text() == "from the base\n"
     log = (service.runtime.parent / f"{service.runtime.name}.log").read_text()
     assert f"the spare bridge (pid {spare}) died with its job" in log
+
+
+needs_sys_nice = pytest.mark.skipif(
+    not _can_resume(),
+    reason="raising a thread out of SCHED_IDLE needs CAP_SYS_NICE; without it an anchor "
+    "starts its spares at normal priority (nothing is deferred to test)",
+)
+
+
+def _policies(pid: int) -> set[int]:
+    """The scheduling policy of every thread of process `pid`."""
+    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@needs_sys_nice
+def test_a_spare_yields_until_its_deadline(service: Service, tmp_path: Path) -> None:
+    spare = start_spare(service.runtime, tmp_path / "spare.log")
+    try:
+        assert spare.deferred_until > 0.0
+        assert _policies(spare.process.pid) == {os.SCHED_IDLE}
+        early = resume(spare, now=spare.deferred_until - 0.001)
+        assert early == spare and _policies(spare.process.pid) == {os.SCHED_IDLE}
+        due = resume(spare, now=spare.deferred_until)
+        assert due.deferred_until == 0.0 and _policies(spare.process.pid) == {os.SCHED_OTHER}
+        assert resume(due) == due  # once raised, nothing more to do
+    finally:
+        let_go(spare)  # its exit code says only how far its start-up had come
+
+
+@needs_fuse
+@needs_sys_nice
+def test_a_deferred_spare_given_its_job_serves_at_normal_priority(
+    service: Service, base: Path, tmp_path: Path
+) -> None:
+    with Client(service.runtime) as client:
+        volume = str(client.create_volume("deferred", base=str(base))["id"])
+    where = tmp_path / "deferred"
+    where.mkdir()
+    spare = start_spare(service.runtime, tmp_path / "spare.log")
+    assert _policies(spare.process.pid) == {os.SCHED_IDLE}
+    job = BridgeJob(volume, str(where), counters=tmp_path / "counters")
+    bridge = give_job(spare, job)  # well before its deadline
+    assert bridge is not None
+    try:
+        readable, _, _ = select.select([bridge.ready], [], [], WAIT_SECONDS)
+        assert readable and os.read(bridge.ready, 1) == b"1", bridge.log.read_text()
+        assert (where / "hello.txt").read_text() == "from the base\n"
+        assert _policies(bridge.process.pid) == {os.SCHED_OTHER}  # loop threads included
+    finally:
+        bridge.process.terminate()  # it unmounts on SIGTERM
+        assert bridge.process.wait(timeout=WAIT_SECONDS) == 0
+        os.close(bridge.ready)
+    assert not is_mounted(str(where))
+
+
+@needs_fuse
+@needs_sys_nice
+def test_the_anchor_raises_its_spare_and_serves_mounts_at_normal_priority(
+    service: Service, base: Path, tmp_path: Path
+) -> None:
+    """Through the CLI: the spare the anchor keeps is raised once its deadline passes
+    (no job came), and the bridges serving mounts run at normal priority."""
+    first = _mount_new(service, base, tmp_path, "first")
+    _wait_for(
+        lambda: _policies(_the_spare(service)) == {os.SCHED_OTHER},
+        "the anchor never raised its spare",
+    )
+    second = _mount_new(service, base, tmp_path, "second")
+    for mounted in (first, second):
+        assert _policies(mounted["pid"]) == {os.SCHED_OTHER}

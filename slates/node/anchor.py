@@ -17,7 +17,9 @@ Mounts: each is served by a bridge process (slates.fuse.bridge) the anchor
 starts and supervises.  To keep a mount's wait short (issue 14) the anchor
 keeps one spare bridge started (slates.node.mounts): a mount hands its job
 to the spare instead of starting a process, and the next spare is started
-by the loop once the mount is answered, never while a request waits.  A
+by the loop once the mount is answered, never while a request waits, its
+start-up deferred (SCHED_IDLE for at most half a second) so that it does
+not compete with the agent's first command in the new mount.  A
 spare that died is replaced (bounded like the link); a mount that finds
 none, or a spare that dies with its job, starts a fresh bridge as before.
 The spare is no mount: it is not in the state file, `gc` never reaps it,
@@ -87,6 +89,7 @@ from slates.node.mounts import (
     is_mounted,
     let_go,
     orphan_bridges,
+    resume,
     retire_files,
     start_bridge,
     start_spare,
@@ -627,6 +630,7 @@ class Anchor:
             return
         if self.spare is not None:
             if self.spare.process.poll() is None:
+                self.spare = resume(self.spare, now=time.monotonic())
                 return
             dead, self.spare = self.spare, None
             code = let_go(dead)

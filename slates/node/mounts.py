@@ -9,6 +9,18 @@ MountJob) on its stdin.  A mount writes its job there instead of starting a
 process, then waits for the bridge's ready byte exactly as for a fresh
 bridge; the anchor starts the next spare after it has answered.
 
+A spare's start-up (an interpreter and its imports, 50-80 ms of CPU) would
+run exactly when the agent's first command does: the next spare is started
+the moment a mount returns.  On a two-CPU host that made a git status started
+at that instant 12-20% slower (bench/RESULTS.md).  So a spare starts
+deferred: at SCHED_IDLE, taking only CPU time nobody else wants, until it is
+given a job or SPARE_DEFER_SECONDS pass, whichever is first; then it runs at
+normal priority (`resume`), so a host kept busy (builds) delays it by that
+bound and no more.  Raising a thread out of SCHED_IDLE needs CAP_SYS_NICE, so
+an anchor without it starts spares at normal priority, as before.  The spare
+is one thread until its job (its loop threads start after), and a thread
+inherits its creator's policy, so the one call on its pid covers them all.
+
 This module owns the bridges' processes and the facts the anchor reads
 about them from /proc; the anchor (slates.node.anchor) owns the decisions:
 which bridge serves which mount, when a spare is made, restarted or let go.
@@ -50,6 +62,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from slates.errors import SlatesError, error_from_wire
@@ -68,6 +81,7 @@ __all__ = [
     "is_mounted",
     "let_go",
     "orphan_bridges",
+    "resume",
     "retire_files",
     "start_bridge",
     "start_spare",
@@ -77,6 +91,8 @@ __all__ = [
 BRIDGE_MODULE = "slates.fuse.bridge"
 TOKEN_ENV = "SLATES_TOKEN"
 SPARE_STOP_SECONDS = 10.0  # a spare waiting for its job ends at once on SIGTERM
+SPARE_DEFER_SECONDS = 0.5  # a spare's start-up yields to everything else this long
+CAP_SYS_NICE = 23
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,6 +118,7 @@ class Spare:
     ready: int
     log: Path
     log_fd: int = -1
+    deferred_until: float = 0.0  # monotonic; its start-up is at SCHED_IDLE until then (0: not)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -182,9 +199,45 @@ def _name_log(spare: Spare) -> None:
         os.close(spare.log_fd)
 
 
+def _can_resume() -> bool:
+    """Whether this process may raise a thread out of SCHED_IDLE (CAP_SYS_NICE)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _defer(process: subprocess.Popen[bytes]) -> float:
+    """Put a spare just started at SCHED_IDLE: the monotonic time until which it stays
+    so, or 0.0 when it runs at normal priority (it could not be raised again, or the
+    call failed: deferring is only a matter of speed)."""
+    if not _can_resume():
+        return 0.0
+    try:
+        os.sched_setscheduler(process.pid, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:
+        return 0.0
+    return time.monotonic() + SPARE_DEFER_SECONDS
+
+
+def resume(spare: Spare, *, now: float | None = None) -> Spare:
+    """The spare at normal priority if it is deferred and due (`now` past its deadline;
+    None: at once, as when it gets its job), else the spare unchanged."""
+    if spare.deferred_until == 0.0 or (now is not None and now < spare.deferred_until):
+        return spare
+    with contextlib.suppress(ProcessLookupError):  # it died: its poll will say so
+        os.sched_setscheduler(spare.process.pid, os.SCHED_OTHER, os.sched_param(0))
+    return dataclasses.replace(spare, deferred_until=0.0)
+
+
 def start_spare(runtime: Path, log: Path) -> Spare:
-    """Start a spare bridge of `runtime`; it waits for its job on its stdin.  `log` is
-    the name its stderr gets once it serves (or dies saying why)."""
+    """Start a spare bridge of `runtime`, deferred (see the module's docstring); it
+    waits for its job on its stdin.  `log` is the name its stderr gets once it serves
+    (or dies saying why)."""
     log_fd = _unnamed_log(runtime)
     ready_read, ready_write = os.pipe()
     command = [
@@ -212,15 +265,17 @@ def start_spare(runtime: Path, log: Path) -> Spare:
         raise
     finally:
         os.close(ready_write)
-    return Spare(process, ready_read, log, log_fd)
+    return Spare(process, ready_read, log, log_fd, _defer(process))
 
 
 def give_job(spare: Spare, job: BridgeJob) -> Bridge | None:
-    """Hand `job` to the spare; None when it is gone (the caller starts a bridge
-    instead, and must let this spare go)."""
+    """Hand `job` to the spare, at normal priority first (its mount is waited for);
+    None when it is gone (the caller starts a bridge instead, and must let this spare
+    go)."""
     stdin = spare.process.stdin
     if stdin is None or spare.process.poll() is not None:
         return None
+    resume(spare)
     try:
         stdin.write(job.line())  # far below a pipe's buffer: never blocks
         stdin.close()
