@@ -755,9 +755,9 @@ static void *prefetch_thread(void *unused)
  * idle between them: on the 2-vCPU host measured, two readers listed the
  * 100,000-file tree in 0.69-0.83 s against one's 1.08-1.33 s, and made a git
  * status started the instant the mount returned about 10% faster on git/git
- * (find and create + mount no slower; bench/RESULTS.md).  (One reader a CPU pair had
- * been kept before the jobs were pipelined, when three readers cost find and
- * the mount more than they bought.) */
+ * (find and create + mount no slower; bench/RESULTS.md).  (One reader a CPU
+ * pair had been kept before the jobs were pipelined, when three readers cost
+ * find and the mount more than they bought.) */
 static unsigned readers_wanted(void)
 {
     long want = sysconf(_SC_NPROCESSORS_ONLN);

@@ -12,7 +12,7 @@ bridge; the anchor starts the next spare after it has answered.
 A spare's start-up (an interpreter and its imports, 50-80 ms of CPU) would
 run exactly when the agent's first command does: the next spare is started
 the moment a mount returns.  On a two-CPU host that made a git status started
-at that instant 12-20% slower (bench/RESULTS.md).  So a spare starts
+at that instant 10-15% slower (bench/RESULTS.md).  So a spare starts
 deferred: at SCHED_IDLE, taking only CPU time nobody else wants, until it is
 given a job or SPARE_DEFER_SECONDS pass, whichever is first; then it runs at
 normal priority (`resume`), so a host kept busy (builds) delays it by that
