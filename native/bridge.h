@@ -32,6 +32,8 @@
 #define BRIDGE_MAX_IO (1u << 20)       /* max_write / max_read */
 #define BRIDGE_LOOP_THREADS 1          /* /dev/fuse readers (bridge_set_threads) */
 #define BRIDGE_MAX_LOOP_THREADS 8
+#define BRIDGE_WALK_ENTRIES 131072      /* the prefetch walk's budget (bridge_set_walk_entries) */
+#define BRIDGE_WALK_ENTRIES_MAX (1l << 22)
 
 /* Counter slots: 0..BRIDGE_OPCODES-1 count kernel requests by FUSE opcode;
  * the slots after them count bridge-wide events. */
@@ -51,8 +53,15 @@
 #define BRIDGE_STAT_READAHEADS 76 /* clean files read ahead (bridge_prefetch.c) */
 #define BRIDGE_STAT_BEHIND_WRITES 77 /* writes answered before the shard (bridge_behind.c) */
 #define BRIDGE_STAT_BEHIND_REPLIES 78 /* the shard's later replies to them */
-#define BRIDGE_COUNTERS 79
+#define BRIDGE_STAT_DIRFD_LOOKUPS 79 /* LOOKUPs stat'ed from a kept base directory fd */
+#define BRIDGE_COUNTERS 80
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
+
+/* Grow the fd table now to hold the base directory fds LOOKUPs keep
+ * (bridge_dirfd.c), while the process has one thread: growing it later, with
+ * threads, waits for an RCU grace period.  Once; bridge_configure calls it
+ * too. */
+void bridge_reserve_fds(void);
 
 /* Volume id and the ring spin budget (ns).  Call once, first. */
 int bridge_configure(const char *volume, uint64_t spin_ns);
@@ -94,6 +103,10 @@ int bridge_set_write_behind(int on);
  * through the mount once their listings are done (default on; before
  * bridge_mount): 0 or -EBUSY. */
 int bridge_set_readahead(int on);
+/* With prefetch, how many entries the walk lists at most (default
+ * BRIDGE_WALK_ENTRIES; before bridge_mount): 0, -EINVAL past
+ * BRIDGE_WALK_ENTRIES_MAX, or -EBUSY. */
+int bridge_set_walk_entries(long entries);
 
 /* Serve the kernel over FUSE-over-io_uring (bridge_uring.c) when `on` and
  * the process is root and /sys/module/fuse/parameters/enable_uring is Y

@@ -397,6 +397,21 @@ BRIDGE_INTERNAL char *meta_dir_path(uint64_t dir, uint64_t *parent);
 /* The base path of `name` in a directory node (malloc'ed), or NULL. */
 BRIDGE_INTERNAL char *meta_child_path(uint64_t dir, const char *name);
 
+/* -- bridge_dirfd.c (base directory fds for LOOKUPs) ----------------------------- */
+
+struct dirfd;
+/* An O_PATH fd of the base directory at `path` beneath `base_fd` (as
+ * meta_stat_beneath resolves it), holding one reference, stamped with
+ * `events` (watch_events() before the caller checked the watches); NULL when
+ * it cannot be opened or too many are open. */
+BRIDGE_INTERNAL struct dirfd *dirfd_open(int base_fd, const char *path, uint64_t events);
+BRIDGE_INTERNAL int dirfd_fd(const struct dirfd *d);
+BRIDGE_INTERNAL uint64_t dirfd_events(const struct dirfd *d);
+/* One more reference (taken while another is held). */
+BRIDGE_INTERNAL struct dirfd *dirfd_get(struct dirfd *d);
+/* Drop a reference (NULL: nothing); the last closes the fd. */
+BRIDGE_INTERNAL void dirfd_put(struct dirfd *d);
+
 /* -- bridge_meta_dir.c -------------------------------------------------------- */
 
 /* READDIRPLUS of a clean directory answered wholly from the base (names,
@@ -436,6 +451,9 @@ BRIDGE_INTERNAL void watch_stop(void);
 BRIDGE_INTERNAL uint64_t watch_dir(uint64_t node, int dir_fd);
 /* The generation of a watched directory, or 0 when it is not watched. */
 BRIDGE_INTERNAL uint64_t watch_gen(uint64_t node);
+/* Events the watches took so far (and their thread's end): a change of any
+ * watched directory's names, or of a watched directory itself. */
+BRIDGE_INTERNAL uint64_t watch_events(void);
 /* A listing of `node` raced an invalidation: invalidate it again shortly. */
 BRIDGE_INTERNAL void watch_recheck(uint64_t node);
 

@@ -243,6 +243,7 @@ int bridge_configure(const char *volume, uint64_t spin_ns)
     strcpy(g_bridge.volume, volume);
     g_bridge.spin_ns = spin_ns;
     codec_init();
+    bridge_reserve_fds(); /* if a spare did not, before its threads */
     return 0;
 }
 

@@ -14,8 +14,11 @@
  * not bound is exactly its base entry, so the bridge answers it itself:
  *   - the entry is opened beneath the base directory fd (openat2 with
  *     RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV, O_PATH |
- *     O_NOFOLLOW) and fstat'ed; missing is a negative entry (nothing private
- *     could hide or add the name);
+ *     O_NOFOLLOW) and fstat'ed, or, once the directory keeps a fd of its base
+ *     directory (bridge_dirfd.c: while every directory above it is watched,
+ *     so a rename of any of them is seen), lstat'ed from that fd, one
+ *     component, nothing followed; missing is a negative entry (nothing
+ *     private could hide or add the name);
  *   - its node id is the number the volume gives a base entry when it binds
  *     it (BASE_INO_START + st_ino, slates.core.volume.base_ino), so the
  *     shard's later answers, its invalidations and the kernel agree on it
@@ -102,6 +105,7 @@
 #define META_BASE_INO_SPAN (1ull << 40)
 #define META_BASE_INO_START ((1ull << 52) - META_BASE_INO_SPAN)
 #define META_SETTLED_NS (2 * (int64_t)NS_PER_SEC) /* see changing() */
+#define META_DIRFD_DEPTH 64 /* a deeper directory's LOOKUPs walk its path */
 
 /* META_LISTED: listed by bridge_prefetch.c's walk. */
 enum { META_LOCAL = 1, META_BOUND = 2, META_CLEAN_DIR = 4, META_LISTED = 8 };
@@ -115,6 +119,7 @@ struct meta_node {
     const char *name;     /* the last component of path */
     struct stat seen;     /* the base entry as fstat'ed (META_LOCAL) */
     unsigned flags;
+    struct dirfd *dirfd;  /* a clean directory's base fd for LOOKUPs, or NULL */
 };
 
 static struct {
@@ -157,6 +162,7 @@ static struct meta_node *node_get(uint64_t node) { return map_get(&g_meta.nodes,
 
 static void node_free(struct meta_node *e)
 {
+    dirfd_put(e->dirfd);
     free(e->path);
     free(e);
 }
@@ -171,8 +177,11 @@ static void taint_locked(uint64_t node)
 {
     g_meta.epoch++;
     struct meta_node *e = node_get(node);
-    if (e != NULL)
+    if (e != NULL) {
         e->flags &= ~(unsigned)META_CLEAN_DIR;
+        dirfd_put(e->dirfd);
+        e->dirfd = NULL;
+    }
     if (map_put(&g_meta.tainted, node, (void *)1) != 0)
         g_meta.degraded = 1; /* no room to remember it: the shard answers everything */
 }
@@ -377,6 +386,42 @@ static struct meta_node *take_ref(uint64_t node, uint64_t parent, char **path,
     return e;
 }
 
+/* Under g_meta_lock: a reference to the fd `dir`'s children are stat'ed from
+ * (dirfd_put it), or NULL; a stale one (`events` moved on) is dropped. */
+static struct dirfd *dir_fd_locked(struct meta_node *dir, uint64_t events)
+{
+    if (dir->dirfd != NULL && dirfd_events(dir->dirfd) != events) {
+        dirfd_put(dir->dirfd);
+        dir->dirfd = NULL;
+    }
+    return dir->dirfd != NULL ? dirfd_get(dir->dirfd) : NULL;
+}
+
+/* Under g_meta_lock: the directories above `dir` up to the base root (its
+ * parent first; at most `cap`), or -1 when one is not this file's answer (its
+ * parent unknown). */
+static int above_locked(const struct meta_node *dir, uint64_t *out, int cap)
+{
+    int n = 0;
+    for (const struct meta_node *e = dir; e->path[0] != '\0'; n++) {
+        if (!(e->flags & META_LOCAL) || n == cap || (e = node_get(out[n] = e->parent)) == NULL ||
+            e->path == NULL)
+            return -1;
+    }
+    return n;
+}
+
+/* Whether every directory in `dirs` is watched, so a rename or removal of any
+ * of them advances watch_events() (bridge_dirfd.c). */
+static int all_watched(const uint64_t *dirs, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (watch_gen(dirs[i]) == 0)
+            return 0;
+    }
+    return n >= 0;
+}
+
 int meta_lookup(fuse_req_t req, uint64_t parent, const char *name)
 {
     if (!base_ready())
@@ -384,27 +429,42 @@ int meta_lookup(fuse_req_t req, uint64_t parent, const char *name)
     if (parent == 1 && !root_probed())
         probe_root();
     uint64_t absent_ep = absent_epoch(), clean_ep = clean_epoch();
+    uint64_t events = watch_events(); /* before the watches are looked at */
+    uint64_t above[META_DIRFD_DEPTH];
+    int nabove = -1;
     pthread_mutex_lock(&g_meta_lock);
     uint64_t epoch = g_meta.epoch;
     struct meta_node *pe = node_get(parent);
-    char *path = NULL;
-    if (pe != NULL && (pe->flags & META_CLEAN_DIR) && pe->path != NULL && !tainted(parent))
+    char *path = NULL, *dir_path = NULL;
+    struct dirfd *dfd = NULL, *opened = NULL;
+    int in_root = 0;
+    if (pe != NULL && (pe->flags & META_CLEAN_DIR) && pe->path != NULL && !tainted(parent)) {
         path = join(pe->path, name);
+        in_root = pe->path[0] == '\0';
+        if (!in_root && (dfd = dir_fd_locked(pe, events)) == NULL &&
+            (nabove = above_locked(pe, above, META_DIRFD_DEPTH)) >= 0)
+            dir_path = strdup(pe->path);
+    }
     pthread_mutex_unlock(&g_meta_lock);
-    if (path == NULL)
+    if (path == NULL) {
+        free(dir_path);
         return 0;
+    }
+    /* From the directory's fd when it may be kept (bridge_dirfd.c), from the
+     * base fd in the base root, else by the path from the root. */
+    if (dir_path != NULL && all_watched(above, nabove) &&
+        (dfd = opened = dirfd_open(clean_base_fd(), dir_path, events)) != NULL)
+        (void)watch_dir(parent, dirfd_fd(opened)); /* so its subdirectories may keep fds */
     struct stat st;
-    int rc = meta_stat_beneath(path, &st);
+    if (dfd != NULL)
+        bridge_count(BRIDGE_STAT_DIRFD_LOOKUPS);
+    int rc = dfd != NULL            ? meta_stat_at(dirfd_fd(dfd), name, &st)
+             : in_root ? meta_stat_at(clean_base_fd(), name, &st)
+                       : meta_stat_beneath(path, &st);
     uint64_t node = rc == 0 ? derived_node(&st) : 0;
-    if (rc != 0 && rc != -ENOENT) {
-        free(path);
-        return 0;
-    }
-    if (rc == 0 && node == 0) {
-        free(path);
-        return 0;
-    }
     int answered = 0;
+    if ((rc != 0 && rc != -ENOENT) || (rc == 0 && node == 0))
+        goto done; /* the shard decides */
     struct fuse_entry_param ep;
     memset(&ep, 0, sizeof ep);
     ep.entry_timeout = g_bridge.cache_timeout; /* rc == -ENOENT: a negative entry */
@@ -413,6 +473,8 @@ int meta_lookup(fuse_req_t req, uint64_t parent, const char *name)
     pe = node_get(parent);
     if (g_meta.epoch != epoch || pe == NULL || !(pe->flags & META_CLEAN_DIR))
         goto out;
+    if (opened != NULL && pe->dirfd == NULL && pe->path != NULL && strcmp(pe->path, dir_path) == 0)
+        pe->dirfd = dirfd_get(opened); /* kept for its next LOOKUPs */
     if (rc == 0) {
         if (tainted(node))
             goto out;
@@ -433,6 +495,9 @@ out:
     if (answered)
         fuse_reply_entry(req, &ep); /* its reference is counted (take_ref) before it */
     gate_leave();
+done:
+    dirfd_put(dfd);
+    free(dir_path);
     free(path);
     return answered;
 }

@@ -46,15 +46,21 @@
  *
  * Which directories: once the mount serves, the root, then every
  * subdirectory a listing shows, depth first (a stack; the root's .git last),
- * by several readers at once, until PREFETCH_WALK_ENTRIES entries were
- * listed; an agent's first command in a fresh workspace is nearly always one
- * that walks it (git status, grep -r, find, a build).  Nothing is listed on demand past that budget: on a
- * 100,000-file tree, listing each directory git's preload threads entered
- * raced their lookups of the same names and made git status 1.7x slower
- * (bench/RESULTS.md), so a larger tree's other directories cost their
- * LOOKUPs as before.  (That was measured while libfuse left
- * FUSE_PARALLEL_DIROPS out of INIT, so the directory's lock serialized the
- * listing and the lookups: bridge_session.c; not measured again since.)
+ * by several readers at once, until the walk's budget of entries was
+ * listed (BRIDGE_WALK_ENTRIES, 131,072; $SLATES_BRIDGE_WALK_ENTRIES,
+ * bridge_set_walk_entries); an agent's first command in a fresh workspace is
+ * nearly always one that walks it (git status, grep -r, find, a build), and
+ * that command would make the kernel hold the same entries.  The budget
+ * bounds what one mount makes the kernel hold: a whole 100,000-file tree
+ * grew the host's reclaimable slab by about 140 MiB and its unreclaimable
+ * by 9 MiB; at 8,192 entries, a git status started the instant the mount
+ * returned took 1.7-1.8 s on that tree, and 1.1-1.3 s with its whole walk
+ * racing it (bench/RESULTS.md).  Nothing is listed on demand past the
+ * budget: on the 100,000-file tree, listing each directory git's preload
+ * threads entered raced their lookups of the same names and made git status
+ * slower (1.7x once; with pipelined readers and the whole walk, 1.4 s
+ * against 1.2-1.3 s), so a larger tree's other directories cost their
+ * LOOKUPs as before.
  * A directory is listed only if bridge_meta.c knows it as clean (its every
  * name is its base entry, so the bridge answers its READDIRPLUS without the
  * shard) and it was not listed before (meta_claim_listing, by its base inode).
@@ -130,7 +136,6 @@
 
 #define PREFETCH_STACK 1024
 #define PREFETCH_READERS_MAX 4
-#define PREFETCH_WALK_ENTRIES 8192
 #define PREFETCH_BUF (64u << 10) /* the kernel asks READDIRPLUS for this much */
 #define PREFETCH_FILES 8192                /* files waiting to be read ahead */
 #define PREFETCH_FILE_MAX (256u << 10)     /* a larger file is left to its readers */
@@ -160,6 +165,7 @@ static struct {
     enum prefetch_state state;
     int enabled;
     int readahead; /* read the listed files too (bridge_set_readahead) */
+    long walk_entries; /* the walk's budget (bridge_set_walk_entries) */
     char mountpoint[PATH_MAX];
     char *stack[PREFETCH_STACK]; /* mount-relative paths ("" the root), newest last */
     unsigned len;
@@ -169,7 +175,7 @@ static struct {
     uint64_t content_bytes;      /* read ahead so far (the content budget) */
     struct reader readers[PREFETCH_READERS_MAX];
     unsigned nreaders; /* started (set before the thread runs, then fixed) */
-} g_pf = {.enabled = 1, .readahead = 1};
+} g_pf = {.enabled = 1, .readahead = 1, .walk_entries = BRIDGE_WALK_ENTRIES};
 static pthread_mutex_t g_pf_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Held by an invalidation from this thread and by prefetch_stop, so the
  * session is never used once the bridge stops (it is destroyed after). */
@@ -204,6 +210,18 @@ int bridge_set_prefetch(int on) { return set_while_idle(&g_pf.enabled, on); }
 
 int bridge_set_readahead(int on) { return set_while_idle(&g_pf.readahead, on); }
 
+int bridge_set_walk_entries(long entries)
+{
+    if (entries < 0 || entries > BRIDGE_WALK_ENTRIES_MAX)
+        return -EINVAL;
+    pthread_mutex_lock(&g_pf_lock);
+    int rc = g_pf.state == PF_IDLE ? 0 : -EBUSY;
+    if (rc == 0)
+        g_pf.walk_entries = entries;
+    pthread_mutex_unlock(&g_pf_lock);
+    return rc;
+}
+
 int prefetch_set_mountpoint(const char *mountpoint)
 {
     size_t n = strlen(mountpoint);
@@ -220,7 +238,7 @@ int prefetch_set_mountpoint(const char *mountpoint)
 }
 
 /* Under g_pf_lock: whether a directory may still be listed. */
-static int within_budget(void) { return g_pf.listed < PREFETCH_WALK_ENTRIES; }
+static int within_budget(void) { return g_pf.listed < g_pf.walk_entries; }
 
 /* Under g_pf_lock: push a copy of `path` (0), or drop it (-1).  The root's
  * .git goes to the bottom, listed last: git status, grep and builds list the

@@ -37,6 +37,10 @@
  * too, so none is made once the bridge stops (the session is destroyed
  * after).
  *
+ * Every event taken (and the thread's end) advances watch_events(), which
+ * tells bridge_dirfd.c when a directory fd it keeps may name another
+ * directory than its path does now.
+ *
  * Bounded: at most WATCH_MAX directories are watched (past that, or when
  * inotify refuses a watch, a directory is not watched and the walk drops
  * its listing as before); a queue overflow (IN_Q_OVERFLOW) invalidates every
@@ -229,9 +233,16 @@ static void invalidate_each(int only_rechecks)
     free(nodes);
 }
 
+/* Events taken so far (and the thread's end): bridge_dirfd.c's fds are stale
+ * once it moves. */
+static uint64_t g_watch_events;
+
+uint64_t watch_events(void) { return __atomic_load_n(&g_watch_events, __ATOMIC_ACQUIRE); }
+
 /* One event: the directory's listing goes. */
 static void on_event(const struct inotify_event *ev)
 {
+    __atomic_add_fetch(&g_watch_events, 1, __ATOMIC_ACQ_REL);
     if (ev->mask & IN_Q_OVERFLOW) {
         invalidate_each(0);
         return;
@@ -306,6 +317,7 @@ static void *watch_thread(void *unused)
             at += (ssize_t)(sizeof *ev + ev->len);
         }
     }
+    __atomic_add_fetch(&g_watch_events, 1, __ATOMIC_ACQ_REL); /* no more events */
     pthread_mutex_lock(&g_watch_lock);
     for (size_t i = 0; i < g_watch.by_wd.cap; i++) {
         if (g_watch.by_wd.keys[i] != 0)

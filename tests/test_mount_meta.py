@@ -12,6 +12,8 @@ metadata as well as bytes.
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import os
 import random
 import shutil
@@ -195,6 +197,46 @@ def test_another_clients_changes_reach_names_the_bridge_answered(
             client.mkdir(vid, "/d/e/sub")
             assert (mnt / "d" / "e" / "sub").is_dir()
             assert sorted(os.listdir(mnt / "d" / "e")) == ["f", "hard", "moved", "sub"]
+
+
+def invalidated_past(runtime: Path, volume: str, invals: int) -> bool:
+    """Whether the bridge's watches dropped more listings than `invals` so far."""
+    return counters(runtime, volume).get("watch_invals", 0) > invals
+
+
+@MODES
+def test_a_directory_replaced_in_the_base_is_looked_up_by_its_path(
+    service: Service, tmp_path: Path, writeback: bool
+) -> None:
+    """The bridge stats a clean directory's names from a fd it keeps of the base
+    directory (native/bridge_dirfd.c).  Once the base directory at that path, or one
+    above it, is moved away and another made in its place, a name is looked up in the
+    new one, as the path says (and as the shard would), never in the old."""
+    base = tmp_path / "base"
+    base.mkdir()
+    make_tree(base, random.Random(3))
+    time.sleep(2.1)  # settled: the walk's listings carry attributes
+    with Client(service.runtime) as client:
+        vid = client.create_volume("moved", base=base)["id"]
+        with mounted(client, vid, tmp_path / "mnt", writeback=writeback) as mnt:
+            wait_for(lambda: counters(service.runtime, vid).get("prefetches", 0) == 3)
+            seen = counters(service.runtime, vid)
+            for rel in ("d/e/none", "d/none"):  # LOOKUPs from the kept fds of d/e and d
+                assert shape(mnt / rel) == ("error", errno.ENOENT)
+            now = counters(service.runtime, vid)
+            assert now["dirfd_lookups"] - seen.get("dirfd_lookups", 0) == 2, (seen, now)
+            for old, made in (("d/e", "d/e/first"), ("d", "d/e/second")):
+                invals = counters(service.runtime, vid).get("watch_invals", 0)
+                (base / old).rename(base / f"{old}-old")
+                (base / made).parent.mkdir(parents=True, exist_ok=True)
+                (base / made).write_bytes(b"made after the mount\n")
+                wait_for(functools.partial(invalidated_past, service.runtime, vid, invals))
+                assert shape(mnt / made) == shape(base / made), made
+                assert (mnt / made).read_bytes() == b"made after the mount\n"
+            # A fd opened again after the change serves the next names.
+            seen = counters(service.runtime, vid)
+            assert shape(mnt / "d/e/second-none") == ("error", errno.ENOENT)
+            assert counters(service.runtime, vid)["dirfd_lookups"] > seen["dirfd_lookups"]
 
 
 # -- differential: a live base tree under the mount against a tmpfs copy -----------------

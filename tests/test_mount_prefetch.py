@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from slates import Client
-from slates.fuse.bridge import READAHEAD_ENV, read_counters
+from slates.fuse.bridge import READAHEAD_ENV, WALK_ENV, read_counters
 from slates.node.anchor import is_mounted
 from slates.node.mounts import exited_unreaped
 from tests.anchor_fixture import Service, service, start_service
@@ -50,7 +50,7 @@ pytestmark = pytest.mark.skipif(
     reason="FUSE mounts need /dev/fuse and root (CI has both)",
 )
 
-WALK_ENTRIES = 8192  # PREFETCH_WALK_ENTRIES
+WALK_ENTRIES = 2048  # the budget the budget test gives its bridges ($SLATES_BRIDGE_WALK_ENTRIES)
 # Directories given to readers and not yet listed when the budget is crossed: one
 # reader a CPU (PREFETCH_READERS_MAX 4), each holding PREFETCH_QUEUE 4 jobs.
 IN_FLIGHT = min(os.cpu_count() or 1, 4) * 4
@@ -214,18 +214,25 @@ def test_kept_listings_follow_the_live_base(
             assert counters(service.runtime, vid).get("watch_invals", 0) >= 6
 
 
-def test_the_walk_stops_at_its_budget_and_lists_nothing_on_demand(
-    service: Service, tmp_path: Path
-) -> None:
+def test_the_walk_stops_at_its_budget_and_lists_nothing_on_demand(tmp_path: Path) -> None:
     """Past its budget the walk stops, and a directory it left costs its LOOKUPs as
     without prefetch: listing each directory a caller enters raced that caller's own
-    lookups of the same names (bench/RESULTS.md, the 100,000-file tree)."""
+    lookups of the same names (bench/RESULTS.md, the 100,000-file tree).  The budget
+    is set small here ($SLATES_BRIDGE_WALK_ENTRIES), so a small tree passes it."""
     base = tmp_path / "base"
-    names = make_tree(base, 100, 100)  # 10,000 files: past the walk's budget
+    names = make_tree(base, 40, 100)  # 4,000 files: past this walk's budget
     dirs = sorted({str(Path(rel).parent) for rel in names})
+    small = start_service(tmp_path / "run", env={WALK_ENV: str(WALK_ENTRIES)})
+    try:
+        walk_past_its_budget(small, base, dirs, tmp_path / "mnt")
+    finally:
+        small.stop()
+
+
+def walk_past_its_budget(service: Service, base: Path, dirs: list[str], mountpoint: Path) -> None:
     with Client(service.runtime) as client:
         vid = client.create_volume("big", base=base)["id"]
-        with mounted(client, vid, tmp_path / "mnt") as mnt:
+        with mounted(client, vid, mountpoint) as mnt:
             listed = settled(service.runtime, vid)
             assert 5 < listed < 1 + 4 + len(dirs)  # it stopped near WALK_ENTRIES entries
             # The one that crossed it, and those already given to readers then.

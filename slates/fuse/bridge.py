@@ -51,7 +51,8 @@ link keeps one request in flight and the shard applies a volume's requests
 in order.
 Directory prefetch (native/bridge_prefetch.c): once the mount serves, a C
 thread has child processes list the clean directories through the mount (a
-walk from the root, up to 8,192 entries), so the kernel learns their entries
+walk from the root, up to 131,072 entries: $SLATES_BRIDGE_WALK_ENTRIES,
+walk_entries()), so the kernel learns their entries
 from READDIRPLUS instead of a LOOKUP per name, and keeps their listings;
 $SLATES_BRIDGE_PREFETCH=0 turns it off (prefetch_wanted()).  The children
 walk in a mount namespace of their own, so what they hold open never makes
@@ -182,6 +183,7 @@ THREADS_ENV = "SLATES_BRIDGE_THREADS"  # loop_threads()
 URING_ENV = "SLATES_FUSE_URING"  # uring_wanted()
 PREFETCH_ENV = "SLATES_BRIDGE_PREFETCH"  # prefetch_wanted()
 READAHEAD_ENV = "SLATES_BRIDGE_READAHEAD"  # readahead_wanted()
+WALK_ENV = "SLATES_BRIDGE_WALK_ENTRIES"  # walk_entries()
 BEHIND_ENV = "SLATES_BRIDGE_BEHIND"  # write_behind_wanted()
 
 __all__ = [
@@ -198,6 +200,7 @@ __all__ = [
     "prefetch_wanted",
     "write_behind_wanted",
     "readahead_wanted",
+    "walk_entries",
     "JOB_LIMIT",
     "Bridge",
     "MountJob",
@@ -291,6 +294,7 @@ STATS: dict[int, str] = {
     lib.BRIDGE_STAT_READAHEADS: "readaheads",
     lib.BRIDGE_STAT_BEHIND_WRITES: "behind_writes",
     lib.BRIDGE_STAT_BEHIND_REPLIES: "behind_replies",
+    lib.BRIDGE_STAT_DIRFD_LOOKUPS: "dirfd_lookups",
 }
 
 
@@ -711,6 +715,8 @@ def run_bridge(
         raise InvalidArgument("cannot change directory prefetch after mounting")
     if lib.bridge_set_readahead(int(readahead_wanted())) < 0:
         raise InvalidArgument("cannot change read-ahead after mounting")
+    if lib.bridge_set_walk_entries(walk_entries()) < 0:
+        raise InvalidArgument("cannot change the prefetch walk's budget after mounting")
     if lib.bridge_set_write_behind(int(write_behind_wanted())) < 0:
         raise InvalidArgument("cannot change write-behind after mounting")
     if uncached and lib.bridge_set_cache_timeout(0.0) < 0:
@@ -787,6 +793,24 @@ def readahead_wanted() -> bool:
     directories it listed (native/bridge_prefetch.c): $SLATES_BRIDGE_READAHEAD
     "0" turns it off."""
     return _env_switch(READAHEAD_ENV, default=True)
+
+
+def walk_entries() -> int:
+    """How many entries the prefetch walk lists at most (native/bridge_prefetch.c):
+    $SLATES_BRIDGE_WALK_ENTRIES, else BRIDGE_WALK_ENTRIES; at most
+    BRIDGE_WALK_ENTRIES_MAX."""
+    raw = os.environ.get(WALK_ENV, "")
+    if not raw:
+        return int(lib.BRIDGE_WALK_ENTRIES)
+    try:
+        entries = int(raw)
+    except ValueError:
+        entries = -1
+    if not 0 <= entries <= int(lib.BRIDGE_WALK_ENTRIES_MAX):
+        raise InvalidArgument(
+            f"{WALK_ENV} is an entry count up to {int(lib.BRIDGE_WALK_ENTRIES_MAX)}", value=raw
+        )
+    return entries
 
 
 def _env_switch(name: str, *, default: bool) -> bool:
@@ -939,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
             # The first spare of a boot calibrates here, before any mount waits for it.
             cached_spin_ns(Runtime(args.runtime_dir).path)
             prepare_clean_reads()
+            lib.bridge_reserve_fds()  # while it has one thread (native/bridge_dirfd.c)
             job = read_mount_job(args.job_fd)
             if job is None:
                 return 0  # the anchor let its spare go
