@@ -22,7 +22,10 @@
  * stale, dropped, and the LOOKUP walks the path as before (the next one
  * opens a fresh fd).  The window left, between the base's change and its
  * event reaching the watch thread, is the one a LOOKUP by path in flight
- * has too.
+ * has too.  Not covered: a file system mounted over a base directory after
+ * its fd was opened (no watch reports a mount); its names are then those
+ * of the directory underneath, where a path would have been refused as
+ * another device.
  *
  * Sharing.  A holder is counted: its owner (the directory's node in
  * bridge_meta.c) holds one reference, and each LOOKUP using the fd another,
