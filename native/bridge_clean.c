@@ -241,15 +241,15 @@ void clean_note_attr(uint64_t ino, const msgpack_object *attr, uint64_t epoch)
     clean_put(ino, path, len, fp, mtime_ns, epoch);
 }
 
-static int open_beneath(int dir_fd, const char *path)
+int base_open(int dir_fd, const char *path, int flags)
 {
     struct open_how how;
     memset(&how, 0, sizeof how);
-    how.flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC;
+    how.flags = (uint64_t)(flags | O_NOFOLLOW | O_CLOEXEC);
     how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV;
     long fd;
     do
-        fd = syscall(SYS_openat2, dir_fd, path, &how, sizeof how);
+        fd = syscall(SYS_openat2, dir_fd, path[0] ? path : ".", &how, sizeof how);
     while (fd < 0 && (errno == EINTR || errno == EAGAIN));
     if (fd < 0 && errno == ENOSYS)
         __atomic_store_n(&g_clean.disabled, 1, __ATOMIC_RELAXED); /* never re-enabled */
@@ -286,7 +286,7 @@ long clean_read(uint64_t ino, uint64_t off, size_t size, const char **out)
     }
     if (t_read_buf == NULL)
         t_read_buf = malloc(BRIDGE_MAX_IO);
-    int fd = t_read_buf != NULL ? open_beneath(dir_fd, path) : -1;
+    int fd = t_read_buf != NULL ? base_open(dir_fd, path, O_RDONLY | O_NONBLOCK | O_NOCTTY) : -1;
     long served = -1;
     struct stat st;
     if (fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_dev == want.dev &&

@@ -51,12 +51,10 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <linux/openat2.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #define DIRFD_MAX 4096
@@ -109,22 +107,13 @@ struct dirfd *dirfd_open(int base_fd, const char *path, uint64_t events)
         return NULL;
     }
     struct dirfd *d = malloc(sizeof *d);
-    struct open_how how;
-    memset(&how, 0, sizeof how);
-    how.flags = O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC;
-    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV;
-    long fd = -1;
-    if (d != NULL) {
-        do
-            fd = syscall(SYS_openat2, base_fd, path[0] ? path : ".", &how, sizeof how);
-        while (fd < 0 && (errno == EINTR || errno == EAGAIN));
-    }
+    int fd = d != NULL ? base_open(base_fd, path, O_PATH | O_DIRECTORY) : -1;
     if (fd < 0) {
         free(d);
         __atomic_sub_fetch(&g_dirfds, 1, __ATOMIC_RELAXED);
         return NULL;
     }
-    d->fd = (int)fd;
+    d->fd = fd;
     d->refs = 1;
     d->events = events;
     return d;

@@ -324,6 +324,12 @@ BRIDGE_INTERNAL long clean_read(uint64_t ino, uint64_t off, size_t size, const c
 BRIDGE_INTERNAL void clean_thread_done(void);
 /* The base directory fd (bridge_set_base), or -1. */
 BRIDGE_INTERNAL int clean_base_fd(void);
+/* Open the entry at base-relative `path` ("" the directory itself) beneath
+ * `dir_fd` as the bridge always does: openat2 with RESOLVE_BENEATH |
+ * RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV and O_NOFOLLOW | O_CLOEXEC added to
+ * `flags`; the fd, or -1 with errno (ENOSYS, no openat2, turns clean reads
+ * off). */
+BRIDGE_INTERNAL int base_open(int dir_fd, const char *path, int flags);
 /* Record `ino` as a clean base file at `path` with the fingerprint in `st`,
  * unless an invalidation ran since `epoch`. */
 BRIDGE_INTERNAL void clean_learn(uint64_t ino, const char *path, const struct stat *st,

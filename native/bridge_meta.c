@@ -95,11 +95,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <linux/openat2.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #define META_BASE_INO_SPAN (1ull << 40)
@@ -247,18 +245,11 @@ static const char *last_name(const char *path)
 /* fstat of the entry at `path` beneath the base: 0, or -errno. */
 int meta_stat_beneath(const char *path, struct stat *st)
 {
-    struct open_how how;
-    memset(&how, 0, sizeof how);
-    how.flags = O_PATH | O_NOFOLLOW | O_CLOEXEC;
-    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV;
-    long fd;
-    do
-        fd = syscall(SYS_openat2, clean_base_fd(), path[0] ? path : ".", &how, sizeof how);
-    while (fd < 0 && (errno == EINTR || errno == EAGAIN));
+    int fd = base_open(clean_base_fd(), path, O_PATH);
     if (fd < 0)
         return -errno;
-    int rc = fstat((int)fd, st) == 0 ? 0 : -errno;
-    close((int)fd);
+    int rc = fstat(fd, st) == 0 ? 0 : -errno;
+    close(fd);
     return rc;
 }
 
@@ -673,21 +664,17 @@ int meta_readlink(fuse_req_t req, uint64_t ino)
     pthread_mutex_unlock(&g_meta_lock);
     if (path == NULL)
         return 0;
-    struct open_how how;
-    memset(&how, 0, sizeof how);
-    how.flags = O_PATH | O_NOFOLLOW | O_CLOEXEC;
-    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV;
-    long fd = syscall(SYS_openat2, clean_base_fd(), path, &how, sizeof how);
+    int fd = base_open(clean_base_fd(), path, O_PATH);
     free(path);
     if (fd < 0)
         return 0;
     struct stat now;
     char target[PATH_MAX + 1];
     ssize_t n = -1;
-    if (fstat((int)fd, &now) == 0 && now.st_dev == seen.st_dev && now.st_ino == seen.st_ino &&
+    if (fstat(fd, &now) == 0 && now.st_dev == seen.st_dev && now.st_ino == seen.st_ino &&
         now.st_size == seen.st_size && ts_ns(&now.st_mtim) == ts_ns(&seen.st_mtim))
-        n = readlinkat((int)fd, "", target, PATH_MAX);
-    close((int)fd);
+        n = readlinkat(fd, "", target, PATH_MAX);
+    close(fd);
     if (n < 0 || n != seen.st_size)
         return 0; /* changed since the kernel saw it: the shard decides */
     target[n] = '\0';

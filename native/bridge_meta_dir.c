@@ -28,10 +28,8 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <linux/openat2.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 /* The readdir cookie of a name, as slates/node/fsops.py's cookie_of: 64-bit
@@ -64,22 +62,18 @@ static int by_cookie(const void *a, const void *b)
 static long list_beneath(const char *path, uint64_t node, uint64_t off, uint64_t *gen,
                          struct listed **out, DIR **dir_out)
 {
-    struct open_how how;
-    memset(&how, 0, sizeof how);
-    how.flags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC;
-    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV;
-    long fd = syscall(SYS_openat2, clean_base_fd(), path[0] ? path : ".", &how, sizeof how);
+    int fd = base_open(clean_base_fd(), path, O_RDONLY | O_DIRECTORY);
     if (fd < 0)
         return -errno;
-    DIR *dir = fdopendir((int)fd);
+    DIR *dir = fdopendir(fd);
     if (dir == NULL) {
         int err = errno;
-        close((int)fd);
+        close(fd);
         return -err;
     }
     /* Watched before its first name is read, so no change after goes unseen
      * (bridge_watch.c); a later call only reads the generation. */
-    *gen = off == 0 ? watch_dir(node, (int)fd) : watch_gen(node);
+    *gen = off == 0 ? watch_dir(node, fd) : watch_gen(node);
     size_t n = 0, cap = 64;
     struct listed *items = malloc(cap * sizeof *items);
     long rc = items != NULL ? 0 : -ENOMEM;
