@@ -37,7 +37,7 @@ from slates.base.live import LiveDirectory
 from slates.core.host import Host
 from slates.core.volume import PRIVATE_ST_INO, Volume
 from slates.errors import AlreadyExists, InvalidArgument, NotFound, SlatesError
-from slates.fuse.bridge import read_counters
+from slates.fuse.bridge import WALK_ENV, read_counters, walk_entries
 from slates.node.fsops import MODE_BITS, attr_map, cookie_of
 from slates.node.protocol import (
     FrameReader,
@@ -1025,3 +1025,24 @@ def test_refuses_missing_volume_and_busy_mountpoint(
     with pytest.raises(AssertionError, match="not empty"):
         start_bridge(tmp_path / "run", mountpoint)
     assert not _mounted(mountpoint)
+
+
+def test_the_walk_budget_is_the_environments_within_its_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """$SLATES_BRIDGE_WALK_ENTRIES sets how many entries a mount's prefetch walk lists
+    (native/bridge_prefetch.c); a value that is no count, or past the bound, is the
+    caller's error, and C refuses one past the bound too."""
+    monkeypatch.delenv(WALK_ENV, raising=False)
+    assert walk_entries() == lib.BRIDGE_WALK_ENTRIES == 131072
+    monkeypatch.setenv(WALK_ENV, "2048")
+    assert walk_entries() == 2048
+    monkeypatch.setenv(WALK_ENV, "0")  # no walk
+    assert walk_entries() == 0
+    for bad in ("-1", "many", "1e3", str(lib.BRIDGE_WALK_ENTRIES_MAX + 1)):
+        monkeypatch.setenv(WALK_ENV, bad)
+        with pytest.raises(InvalidArgument):
+            walk_entries()
+    assert lib.bridge_set_walk_entries(-1) == -errno.EINVAL
+    assert lib.bridge_set_walk_entries(lib.BRIDGE_WALK_ENTRIES_MAX + 1) == -errno.EINVAL
+    assert lib.bridge_set_walk_entries(lib.BRIDGE_WALK_ENTRIES) == 0  # no mount here: idle
