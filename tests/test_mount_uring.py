@@ -183,7 +183,7 @@ def bridge_running(pid: int) -> bool:
     """Whether `pid` runs (a zombie waiting for the anchor to reap it does not)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or reaped between open and read
         return False
     return "\nState:\tZ" not in status
 
