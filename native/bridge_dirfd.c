@@ -101,9 +101,10 @@ void bridge_reserve_fds(void)
 struct dirfd *dirfd_open(int base_fd, const char *path, uint64_t events)
 {
     pthread_once(&g_dirfd_once, cap_init);
-    if (base_fd < 0 || __atomic_add_fetch(&g_dirfds, 1, __ATOMIC_RELAXED) > g_dirfd_cap) {
-        if (base_fd >= 0)
-            __atomic_sub_fetch(&g_dirfds, 1, __ATOMIC_RELAXED);
+    if (base_fd < 0)
+        return NULL;
+    if (__atomic_add_fetch(&g_dirfds, 1, __ATOMIC_RELAXED) > g_dirfd_cap) {
+        __atomic_sub_fetch(&g_dirfds, 1, __ATOMIC_RELAXED);
         return NULL;
     }
     struct dirfd *d = malloc(sizeof *d);

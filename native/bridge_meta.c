@@ -165,6 +165,15 @@ static void node_free(struct meta_node *e)
     free(e);
 }
 
+/* Under the lock: `e` is no longer a clean directory (or no longer at the path
+ * its kept fd was opened at): the fd goes with the mark. */
+static void unclean_locked(struct meta_node *e)
+{
+    e->flags &= ~(unsigned)META_CLEAN_DIR;
+    dirfd_put(e->dirfd);
+    e->dirfd = NULL;
+}
+
 static int tainted(uint64_t node)
 {
     return g_meta.degraded || map_get(&g_meta.tainted, node) != NULL;
@@ -175,11 +184,8 @@ static void taint_locked(uint64_t node)
 {
     g_meta.epoch++;
     struct meta_node *e = node_get(node);
-    if (e != NULL) {
-        e->flags &= ~(unsigned)META_CLEAN_DIR;
-        dirfd_put(e->dirfd);
-        e->dirfd = NULL;
-    }
+    if (e != NULL)
+        unclean_locked(e);
     if (map_put(&g_meta.tainted, node, (void *)1) != 0)
         g_meta.degraded = 1; /* no room to remember it: the shard answers everything */
 }
@@ -729,7 +735,7 @@ void meta_note_attr(uint64_t node, const msgpack_object *attr, uint64_t epoch, i
     }
     if (mark == NULL || g_meta.epoch != epoch || !base_ready()) {
         if (e != NULL)
-            e->flags &= ~(unsigned)META_CLEAN_DIR;
+            unclean_locked(e);
         pthread_mutex_unlock(&g_meta_lock);
         return;
     }
@@ -753,6 +759,8 @@ void meta_note_attr(uint64_t node, const msgpack_object *attr, uint64_t epoch, i
         }
         memcpy(path, p, n);
         path[n] = '\0';
+        if (e->path == NULL || strcmp(e->path, path) != 0)
+            unclean_locked(e); /* marked again below, at its new path */
         free(e->path);
         e->path = path;
         e->name = last_name(path);
@@ -766,7 +774,7 @@ void meta_note_attr(uint64_t node, const msgpack_object *attr, uint64_t epoch, i
         if (ok)
             e->flags |= META_CLEAN_DIR;
         else
-            e->flags &= ~(unsigned)META_CLEAN_DIR;
+            unclean_locked(e);
     }
     pthread_mutex_unlock(&g_meta_lock);
 }
