@@ -84,6 +84,20 @@
  * shard answer (only a cache; a taint that cannot be recorded stops every
  * answer here).  Counted: BRIDGE_STAT_META_ANSWERS.
  *
+ * A directory the base moves.  A node is numbered by its base inode but
+ * answered from its path, so when the base renames a directory the bridge
+ * answered (and perhaps makes another at the old name), the kernel finds the
+ * same number under the new name.  A LOOKUP or listing that finds a node's
+ * directory at another path than its own moves the node there (moved_locked,
+ * only for a node the shard has not bound: a bound one is the shard's to
+ * answer), and every clean directory the bridge holds below it loses its mark
+ * (its path is under the old one), as it does when the shard marks a
+ * directory at another path (unclean_below_locked); the kernel's listings of
+ * all of them are dropped shortly after (watch_recheck), since one may have
+ * been read from the old path in between.  Until then, and until the watch
+ * drops the kernel's entry of the old name, the old name may still show what
+ * is there now.  Counted: BRIDGE_STAT_MOVED_DIRS.
+ *
  * Not covered: another client's unlink of a name whose node only the bridge
  * knows leaves the shard nothing to keep alive (the base file is still read
  * through the kernel's open file, but a write to it fails); an inode number
@@ -351,6 +365,63 @@ char *meta_child_path(uint64_t dir, const char *name)
     return path;
 }
 
+/* Under the lock: whether `n` is below the directory `dir`, by the parents the
+ * bridge answered its nodes in. */
+static int below_locked(const struct meta_node *n, uint64_t dir)
+{
+    for (int steps = 0; steps < PATH_MAX / 2 && n != NULL && (n->flags & META_LOCAL); steps++) {
+        if (n->parent == dir)
+            return 1;
+        n = node_get(n->parent);
+    }
+    return 0;
+}
+
+/* Under the lock: the directory `dir` is at another path now (the base moved it).
+ * Every directory below it the bridge holds still has a path under the old one,
+ * where another directory may stand now, so none of them is answered here from its
+ * path any more: the shard binds them by their names, below this one's (and marks
+ * them again).  A file below keeps its path: a read from it checks the file's
+ * fingerprint first (bridge_clean.c).  A new epoch, so no answer worked out from
+ * an old path is sent; and the kernel's listings of them, and of `dir`, are
+ * dropped shortly
+ * (watch_recheck: between the base's rename and this, a listing may have been
+ * read from the old path, where the other directory is; the watch thread's lock
+ * is taken under this one, never the other way round). */
+static void unclean_below_locked(const struct meta_node *dir)
+{
+    g_meta.epoch++;
+    size_t len = strlen(dir->path);
+    for (size_t i = 0; i < g_meta.nodes.cap; i++) {
+        struct meta_node *n = g_meta.nodes.keys[i] != 0 ? g_meta.nodes.values[i] : NULL;
+        /* A clean directory's path was made under its parent's current one (a path
+         * that changed uncleaned everything below it), hence the cheap test first. */
+        if (n != NULL && n != dir && (n->flags & META_CLEAN_DIR) && n->path != NULL &&
+            strncmp(n->path, dir->path, len) == 0 && n->path[len] == '/' &&
+            below_locked(n, dir->node)) {
+            unclean_locked(n);
+            watch_recheck(n->node);
+        }
+    }
+    watch_recheck(dir->node);
+}
+
+/* Under the lock: the directory `dir`, found at `*path` in `parent`, moved there in
+ * the base: its node follows it (taking `*path`, set to NULL), as the kernel does,
+ * which finds the same number under the new name. */
+static void moved_locked(struct meta_node *dir, uint64_t parent, char **path)
+{
+    unclean_below_locked(dir);
+    dirfd_put(dir->dirfd); /* opened at the old path */
+    dir->dirfd = NULL;
+    free(dir->path);
+    dir->path = *path;
+    dir->name = last_name(*path);
+    dir->parent = parent;
+    *path = NULL;
+    bridge_count(BRIDGE_STAT_MOVED_DIRS);
+}
+
 /* Under g_meta_lock: the entry of base entry `node` (a child of `parent`, `st` as
  * the base shows it at `*path`), holding one more kernel reference; made if the
  * bridge does not know the node yet, in which case it takes `*path` (set to NULL).
@@ -364,6 +435,11 @@ static struct meta_node *take_ref(uint64_t node, uint64_t parent, char **path,
                       e->seen.st_size != st->st_size ||
                       ts_ns(&e->seen.st_mtim) != ts_ns(&st->st_mtim)))
         return NULL;
+    if (e != NULL && S_ISDIR(st->st_mode) && e->path != NULL && strcmp(e->path, *path) != 0) {
+        if ((e->flags & META_BOUND) || node == 1)
+            return NULL; /* the shard has it bound where it was: it decides */
+        moved_locked(e, parent, path);
+    }
     if (e == NULL) {
         e = calloc(1, sizeof *e);
         if (e == NULL || map_put(&g_meta.nodes, node, e) != 0) {
@@ -761,6 +837,8 @@ void meta_note_attr(uint64_t node, const msgpack_object *attr, uint64_t epoch, i
         path[n] = '\0';
         if (e->path == NULL || strcmp(e->path, path) != 0)
             unclean_locked(e); /* marked again below, at its new path */
+        if (e->path != NULL && strcmp(e->path, path) != 0)
+            unclean_below_locked(e);
         free(e->path);
         e->path = path;
         e->name = last_name(path);

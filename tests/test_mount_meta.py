@@ -239,6 +239,47 @@ def test_a_directory_replaced_in_the_base_is_looked_up_by_its_path(
             assert counters(service.runtime, vid)["dirfd_lookups"] > seen["dirfd_lookups"]
 
 
+def names_under(root: Path) -> dict[str, list[str]]:
+    """Each directory under root (relative) -> its sorted names."""
+    return {os.path.relpath(top, root): sorted(dirs + files) for top, dirs, files in os.walk(root)}
+
+
+@MODES
+@pytest.mark.parametrize("moved", ["d/e", "d"])
+def test_a_directory_renamed_in_the_base_lists_what_its_new_name_holds(
+    service: Service, tmp_path: Path, writeback: bool, moved: str
+) -> None:
+    """The bridge numbers a base directory by its inode.  When the base renames a
+    directory the mount has seen, untouched (and makes another in its place), the
+    kernel finds the same number under the new name: the mount must list, look up and
+    read there what the base now holds at that name, and at the old name what the new
+    directory holds, down to the directories below it (their paths moved with it)."""
+    base = tmp_path / "base"
+    base.mkdir()
+    make_tree(base, random.Random(4), hard_link=False)
+    (base / "d" / "e" / "sub").mkdir()
+    (base / "d" / "e" / "sub" / "deep").write_bytes(b"deep\n")
+    time.sleep(2.1)  # settled: the walk's listings carry attributes
+    with Client(service.runtime) as client:
+        vid = client.create_volume("renamed", base=base)["id"]
+        with mounted(client, vid, tmp_path / "mnt", writeback=writeback) as mnt:
+            wait_for(lambda: counters(service.runtime, vid).get("prefetches", 0) == 4)
+            assert names_under(mnt) == names_under(base)
+            assert (mnt / "d/e/sub/deep").read_bytes() == b"deep\n"
+            invals = counters(service.runtime, vid).get("watch_invals", 0)
+            (base / moved).rename(base / f"{moved}-renamed")
+            (base / "d/e/sub").mkdir(parents=True)
+            (base / "d/e/sub/other").write_bytes(b"made after the mount\n")
+            wait_for(functools.partial(invalidated_past, service.runtime, vid, invals))
+            # The watch drops the kernel's entries as its events come (a moment):
+            wait_for(lambda: names_under(mnt) == names_under(base), timeout=20)
+            assert counters(service.runtime, vid)["moved_dirs"] > 0  # the numbers followed
+            assert (mnt / "d/e/sub/other").read_bytes() == b"made after the mount\n"
+            deep = Path(f"{moved}-renamed", "sub" if moved == "d/e" else "e/sub", "deep")
+            assert (mnt / deep).read_bytes() == b"deep\n"
+            assert shape(mnt / deep.parent.parent / "c") == shape(base / deep.parent.parent / "c")
+
+
 # -- differential: a live base tree under the mount against a tmpfs copy -----------------
 
 PATHS = ("a", "b", "l", "d/b", "d/x", "d/l2", "d/e", "d/e/c", "d/e/f", "d/e/hard", "d/e/g")
