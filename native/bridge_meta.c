@@ -383,11 +383,10 @@ static int below_locked(const struct meta_node *n, uint64_t dir)
  * path any more: the shard binds them by their names, below this one's (and marks
  * them again).  A file below keeps its path: a read from it checks the file's
  * fingerprint first (bridge_clean.c).  A new epoch, so no answer worked out from
- * an old path is sent; and the kernel's listings of them, and of `dir`, are
- * dropped shortly
- * (watch_recheck: between the base's rename and this, a listing may have been
- * read from the old path, where the other directory is; the watch thread's lock
- * is taken under this one, never the other way round). */
+ * an old path is sent.  The kernel's listings of them, and of `dir`, are dropped
+ * shortly after (watch_recheck): between the base's rename and this, one may have
+ * been read from the old path, where another directory stands.  The watch
+ * thread's lock is taken under this one, never the other way round. */
 static void unclean_below_locked(const struct meta_node *dir)
 {
     g_meta.epoch++;
@@ -436,7 +435,7 @@ static struct meta_node *take_ref(uint64_t node, uint64_t parent, char **path,
                       ts_ns(&e->seen.st_mtim) != ts_ns(&st->st_mtim)))
         return NULL;
     if (e != NULL && S_ISDIR(st->st_mode) && e->path != NULL && strcmp(e->path, *path) != 0) {
-        if ((e->flags & META_BOUND) || node == 1)
+        if (e->flags & META_BOUND)
             return NULL; /* the shard has it bound where it was: it decides */
         moved_locked(e, parent, path);
     }
@@ -835,10 +834,11 @@ void meta_note_attr(uint64_t node, const msgpack_object *attr, uint64_t epoch, i
         }
         memcpy(path, p, n);
         path[n] = '\0';
-        if (e->path == NULL || strcmp(e->path, path) != 0)
+        if (e->path == NULL || strcmp(e->path, path) != 0) {
             unclean_locked(e); /* marked again below, at its new path */
-        if (e->path != NULL && strcmp(e->path, path) != 0)
-            unclean_below_locked(e);
+            if (e->path != NULL)
+                unclean_below_locked(e); /* paths below it are under the old one */
+        }
         free(e->path);
         e->path = path;
         e->name = last_name(path);
