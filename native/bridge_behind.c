@@ -8,9 +8,12 @@
  * ("behind") with a grant when it can promise more: "the next writes to
  * this inode, each starting where the last ended, up to N bytes in all,
  * will be applied" (it reserved their capacity: slates/fuse/PROTOCOL.md,
- * "Write grants").  An fs.create that asked gets one for the file it made,
- * from 0, so a new file's first write is answered early too (a tool
- * writing many small files waits for two round trips each, not three).
+ * "Write grants").  An fs.create that asked gets one for writes anywhere
+ * in the empty file it made (each counted BEHIND_SCATTER_COST more than its
+ * bytes, as slates.node.grants counts it), so a new file's writes are
+ * answered early too, even those that go back to fill in a header (an
+ * assembler's object file), and a tool writing many small files waits for
+ * two round trips each, not three.
  * A grant lives until the next request the shard takes from this ring that
  * is not a write under it, on both sides: link_call ends it here before it
  * sends anything else, the shard on receiving it.  behind_try sends a write under the grant (args "granted") without
@@ -48,6 +51,9 @@
 #include <string.h>
 
 #define BEHIND_MAX 8     /* writes answered to the kernel, unanswered by the shard */
+/* What a create's grant counts a write beyond its bytes: slates.node.grants.SCATTER_COST. */
+#define BEHIND_SCATTER_COST (3 * 4096)
+#define BEHIND_FILE_MAX (1ull << 43) /* slates.core.volume.MAX_FILE_SIZE */
 #define LATCH_MAX 16     /* inodes with a write failure not yet reported */
 
 struct behind {
@@ -61,8 +67,9 @@ struct behind {
 
 static struct {
     int enabled;
-    /* the grant: held while `left` > 0 */
+    /* the grant: held while `left` > 0; `scattered`: anywhere in a new file */
     uint64_t ino, end, left;
+    int scattered;
     struct behind fifo[BEHIND_MAX];
     unsigned first, count;
     struct {
@@ -85,13 +92,14 @@ int behind_wanted(void) { return g_wb.enabled && !g_bridge.writeback; }
 
 void behind_end_grant(void) { g_wb.left = 0; }
 
-void behind_granted(uint64_t ino, uint64_t end, int64_t bytes)
+void behind_granted(uint64_t ino, uint64_t end, int64_t bytes, int scattered)
 {
     if (bytes <= 0 || !behind_wanted())
         return;
     g_wb.ino = ino;
     g_wb.end = end;
     g_wb.left = (uint64_t)bytes;
+    g_wb.scattered = scattered;
 }
 
 static struct behind *fifo_at(unsigned i) { return &g_wb.fifo[(g_wb.first + i) % BEHIND_MAX]; }
@@ -163,8 +171,10 @@ int link_take_behind(uint64_t seq, int status, const msgpack_object *result)
 
 int behind_try(uint64_t ino, uint64_t off, const char *buf, size_t size)
 {
-    if (g_wb.left == 0 || g_wb.ino != ino || g_wb.end != off || size > g_wb.left ||
-        size > g_bridge.io_chunk || size == 0 || !g_bridge.attached)
+    uint64_t cost = size + (g_wb.scattered ? BEHIND_SCATTER_COST : 0); /* grants.cost */
+    if (g_wb.left == 0 || g_wb.ino != ino || (g_wb.end != off && !g_wb.scattered) ||
+        cost > g_wb.left || size > g_bridge.io_chunk || size == 0 || !g_bridge.attached ||
+        off > BEHIND_FILE_MAX - size)
         return 0;
     if (g_wb.count == BEHIND_MAX && link_wait_oldest() != 0)
         return 0;
@@ -185,8 +195,8 @@ int behind_try(uint64_t ino, uint64_t off, const char *buf, size_t size)
     b->saved = NULL;
     g_wb.count++;
     keep_front();
-    g_wb.end += size;
-    g_wb.left -= size;
+    g_wb.end = off + size;
+    g_wb.left -= cost;
     bridge_count(BRIDGE_STAT_BEHIND_WRITES);
     return 1;
 }

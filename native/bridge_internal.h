@@ -252,8 +252,9 @@ BRIDGE_INTERNAL int link_wait_oldest(void);
 BRIDGE_INTERNAL int behind_wanted(void);
 /* The grant ends (any request other than a write under it is being sent). */
 BRIDGE_INTERNAL void behind_end_grant(void);
-/* A synchronous write's reply granted `bytes` more from `end` on inode `ino`. */
-BRIDGE_INTERNAL void behind_granted(uint64_t ino, uint64_t end, int64_t bytes);
+/* A synchronous write's reply granted `bytes` more from `end` on inode `ino`;
+ * a create's (`scattered`), writes anywhere in the new file. */
+BRIDGE_INTERNAL void behind_granted(uint64_t ino, uint64_t end, int64_t bytes, int scattered);
 /* Send this write under the grant and answer it early: 1 when sent (answer
  * the kernel now), 0 when it must go the usual way. */
 BRIDGE_INTERNAL int behind_try(uint64_t ino, uint64_t off, const char *buf, size_t size);

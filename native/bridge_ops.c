@@ -477,11 +477,11 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
     }
     fuse_ino_t ino = reply_entry_from(req, res, 1, fi, exclusive, ep);
     int64_t grant = 0;
-    /* The new file's first write, at 0, may then be answered early (a file that
-     * already existed gets a grant only when it is empty).  The kernel's WRITE
+    /* The new file's writes, anywhere in it, may then be answered early (a file
+     * that already existed gets a grant only when it is empty).  The kernel's WRITE
      * cannot overtake this: it waits for the link lock, held until we return. */
     if (asking && ino != 0 && mp_int(mp_get(res, "grant"), &grant))
-        behind_granted(ino, 0, grant);
+        behind_granted(ino, 0, grant, 1);
 }
 
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -621,7 +621,7 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
             break;
         int64_t grant = 0;
         if (asking && (size_t)written == size && mp_int(mp_get(res, "grant"), &grant))
-            behind_granted(ino, (uint64_t)off + size, grant);
+            behind_granted(ino, (uint64_t)off + size, grant, 0);
     } while (done < size);
     if (err != 0 && done == 0)
         fuse_reply_err(req, err);

@@ -21,9 +21,21 @@ This module is the pure part, one `LinkGrant` per ring link: the table of
 (state, input) -> state the shard drives, and what room to hold.  The shard
 (slates.node.shard) does the holding and releasing on the volume.
 
+Two kinds.  An append grant (after a write at its file's end) covers writes
+each starting where the last ended, and each costs its bytes.  A new-file
+grant (after a create of an empty file) covers writes anywhere in the file:
+an assembler or linker writes its output in pieces and goes back to fill in
+headers, and an empty file has no base content such a write could need
+(so none can fail on BaseDrift), short of the volume's largest file
+(MAX_FILE_SIZE); each costs its bytes plus
+SCATTER_COST, a bound on the pages around it (its partial first and last
+pages) and its extent's metadata, so the room held still covers every write
+the bridge may answer early.  Both sides count a grant's `left` the same way
+(`cost`).
+
     state   input                                   next    effect
     IDLE    a write that asked, applied at its end  HELD    hold room, reply "grant"
-    IDLE    a create that asked, of an empty file   HELD    hold room, reply "grant"
+    IDLE    a create that asked, of an empty file   HELD    hold room, reply "grant" (scattered)
     IDLE    anything else                           IDLE    -
     HELD    a write under it that fits              HELD*   release, apply, hold what is left
     HELD    anything else (and the link's end)      IDLE    release the room
@@ -40,14 +52,27 @@ import dataclasses
 import enum
 from typing import Any
 
+from slates.core.volume import MAX_FILE_SIZE
 from slates.errors import InvalidArgument
 
-__all__ = ["GRANT_BYTES", "GRANT_MARGIN", "Grant", "GrantState", "LinkGrant"]
+__all__ = [
+    "GRANT_BYTES",
+    "GRANT_MARGIN",
+    "SCATTER_COST",
+    "Grant",
+    "GrantState",
+    "LinkGrant",
+    "cost",
+]
 
 GRANT_BYTES = 8 << 20  # what a bridge may answer early before it hears back
 # What the writes of one grant may be charged beyond their bytes (their first and
 # last partial pages, extent metadata): held with the grant so it cannot run out.
 GRANT_MARGIN = 256 << 10
+# What a new-file grant counts a write beyond its bytes (see the module docstring):
+# two partial pages and a page's worth for its extent.  native/bridge_behind.c's
+# BEHIND_SCATTER_COST is the same number.
+SCATTER_COST = 3 * 4096
 
 
 class GrantState(enum.Enum):
@@ -57,26 +82,36 @@ class GrantState(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Grant:
-    """What is promised: writes to `ino` of `volume` from `end` on, `left` bytes in
-    all, with `held` bytes of the volume's room held for them."""
+    """What is promised: writes to `ino` of `volume` from `end` on (anywhere in it,
+    for a new file: `scattered`), costing `left` in all (`cost`), with `held` bytes of
+    the volume's room held for them."""
 
     volume: str
     ino: int
     end: int
     left: int
     held: int
+    scattered: bool = False
+
+
+def cost(grant: Grant, size: int) -> int:
+    """What a write of `size` bytes takes of `grant`'s `left`."""
+    return size + SCATTER_COST if grant.scattered else size
 
 
 def _write_under(grant: Grant, op: str, args: dict[str, Any]) -> bool:
-    data = args.get("data")
+    data, offset = args.get("data"), args.get("offset")
     return (
         op == "fs.write"
         and args.get("granted") is True
         and args.get("volume") == grant.volume
         and args.get("ino") == grant.ino
-        and args.get("offset") == grant.end
+        and isinstance(offset, int)
+        and (offset == grant.end or (grant.scattered and offset >= 0))
         and isinstance(data, bytes)
-        and 0 < len(data) <= grant.left
+        and len(data) > 0
+        and offset + len(data) <= MAX_FILE_SIZE
+        and cost(grant, len(data)) <= grant.left
     )
 
 
@@ -100,14 +135,17 @@ class LinkGrant:
             return None, False
         return grant, _write_under(grant, op, args)  # HELD, any request: IDLE
 
-    def offer(self, volume: str, ino: int, end: int, left: int, held: int) -> Grant:
-        """After a write at its file's end: the grant now held (IDLE -> HELD; a
-        HELD link must have been through `receive` first, so that is refused)."""
+    def offer(
+        self, volume: str, ino: int, end: int, left: int, held: int, *, scattered: bool = False
+    ) -> Grant:
+        """After a write at its file's end, or a create of an empty file (`scattered`):
+        the grant now held (IDLE -> HELD; a HELD link must have been through `receive`
+        first, so that is refused)."""
         if self.grant is not None:
             raise InvalidArgument("a link holds one grant at a time", ino=self.grant.ino)
         if left <= 0 or held < left or end < 0:
             raise InvalidArgument("a grant promises some bytes and holds room for them")
-        self.grant = Grant(volume, ino, end, left, held)
+        self.grant = Grant(volume, ino, end, left, held, scattered)
         return self.grant
 
     def end(self) -> Grant | None:

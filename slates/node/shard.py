@@ -84,7 +84,7 @@ from slates.errors import (
 from slates.node.arena import ArenaChunks
 from slates.node.checkpoints import Checkpoints
 from slates.node.events import Event, RecordApplied, frame_parts, from_wire, to_wire
-from slates.node.grants import GRANT_BYTES, GRANT_MARGIN, Grant, LinkGrant
+from slates.node.grants import GRANT_BYTES, GRANT_MARGIN, Grant, LinkGrant, cost
 from slates.node.jobs import Io, Job, Outcome, Sent, Thrown
 from slates.node.journal import PAGE, Checksummed, Journal, Segment
 from slates.node.memory import (
@@ -488,7 +488,7 @@ class Shard:
         """After a write: promise the next appending writes (slates.node.grants), for a
         write that asked and ended at its file's end, or one under a grant (what is
         left of it, its room less what the write was charged); after a create that
-        asked, the writes of the empty file it made (or found), from 0."""
+        asked, the writes anywhere in the empty file it made (or found)."""
         args = request.args
         result = reply.get("result")
         if reply.get("error") is not None:
@@ -502,15 +502,16 @@ class Shard:
                 return reply
             if result.get("size") != 0:
                 return reply  # an existing file's end may need its base's last page
-            return self._offer(link, vid, volume, int(result["ino"]), 0, reply, result)
+            return self._offer(link, vid, volume, int(result["ino"]), 0, reply, result, True)
         data = args.get("data")
         if not isinstance(data, bytes):
             return reply
         ino, end = int(args["ino"]), int(args["offset"]) + len(data)
         if under is not None:
-            left, held = under.left - len(data), under.held - (volume.charged_bytes - charged)
+            left = under.left - cost(under, len(data))
+            held = under.held - (volume.charged_bytes - charged)
             if left > 0 and held >= left:
-                self._hold(link, vid, volume, ino, end, left, held)
+                self._hold(link, vid, volume, ino, end, left, held, under.scattered)
             return reply  # a write under a grant: the bridge counts what is left itself
         if args.get("behind") is not True or not isinstance(result, dict):
             return reply
@@ -530,27 +531,38 @@ class Shard:
         end: int,
         reply: dict[str, Any],
         result: dict[str, Any],
+        scattered: bool = False,
     ) -> dict[str, Any]:
-        """A fresh grant of GRANT_BYTES for writes to `ino` from `end`, added to
-        `reply`'s result, when the journal and the volume have room for it."""
+        """A fresh grant of GRANT_BYTES for writes to `ino` from `end` (anywhere in it:
+        `scattered`), added to `reply`'s result, when the journal and the volume have
+        room for it."""
         if self.journal.room < self.journal_headroom + 2 * GRANT_BYTES:
             return reply  # the journal could not take the promised writes
-        if not self._hold(link, vid, volume, ino, end, GRANT_BYTES, GRANT_BYTES + GRANT_MARGIN):
+        held = GRANT_BYTES + GRANT_MARGIN
+        if not self._hold(link, vid, volume, ino, end, GRANT_BYTES, held, scattered):
             return reply
         # A new reply: the saved one (a retry's answer) must not carry an old grant.
         return {**reply, "result": {**result, "grant": GRANT_BYTES}}
 
     @staticmethod
     def _hold(
-        link: LinkGrant, vid: str, volume: Volume, ino: int, end: int, left: int, held: int
+        link: LinkGrant,
+        vid: str,
+        volume: Volume,
+        ino: int,
+        end: int,
+        left: int,
+        held: int,
+        scattered: bool,
     ) -> bool:
         """Hold `held` bytes of `volume`'s room and make them `link`'s grant of `left`
-        bytes for writes to `ino` from `end`; False when the volume cannot."""
+        for writes to `ino` from `end` (or anywhere: `scattered`); False when the
+        volume cannot."""
         try:
             volume.admit_inflight(held)
         except CapacityExhausted:
             return False
-        link.offer(vid, ino, end, left, held)
+        link.offer(vid, ino, end, left, held, scattered=scattered)
         return True
 
     def _run(self, hello: Hello, request: Request) -> dict[str, Any] | Job:
