@@ -9,14 +9,17 @@
  * this inode, each starting where the last ended, up to N bytes in all,
  * will be applied" (it reserved their capacity: slates/fuse/PROTOCOL.md,
  * "Write grants").  An fs.create that asked gets one for writes anywhere
- * in the empty file it made (each counted BEHIND_SCATTER_COST more than its
+ * in the empty file it made, and so does a write to a file with no base
+ * content ("scatter": each write counted BEHIND_SCATTER_COST more than its
  * bytes, as slates.node.grants counts it), so a new file's writes are
  * answered early too, even those that go back to fill in a header (an
  * assembler's object file), and a tool writing many small files waits for
  * two round trips each, not three.
  * A grant lives until the next request the shard takes from this ring that
- * is not a write under it, on both sides: link_call ends it here before it
- * sends anything else, the shard on receiving it.  behind_try sends a write under the grant (args "granted") without
+ * is neither a write under it nor a read, on both sides: link_call ends it
+ * here before it sends anything else, the shard on receiving it (a read
+ * comes after the granted writes in the ring, so it sees them, and holds no
+ * room: an assembler reading back what it wrote keeps its grant).  behind_try sends a write under the grant (args "granted") without
  * waiting, and the callback answers the kernel at once.  Its seq, inode and
  * frame position wait in a FIFO (at most BEHIND_MAX; a full FIFO first
  * waits for its oldest reply) until the shard's reply comes, in order,
@@ -51,7 +54,7 @@
 #include <string.h>
 
 #define BEHIND_MAX 8     /* writes answered to the kernel, unanswered by the shard */
-/* What a create's grant counts a write beyond its bytes: slates.node.grants.SCATTER_COST. */
+/* What a scattered grant counts a write beyond its bytes: slates.node.grants.SCATTER_COST. */
 #define BEHIND_SCATTER_COST (3 * 4096)
 #define BEHIND_FILE_MAX (1ull << 43) /* slates.core.volume.MAX_FILE_SIZE */
 #define LATCH_MAX 16     /* inodes with a write failure not yet reported */
@@ -67,7 +70,7 @@ struct behind {
 
 static struct {
     int enabled;
-    /* the grant: held while `left` > 0; `scattered`: anywhere in a new file */
+    /* the grant: held while `left` > 0; `scattered`: anywhere in the file */
     uint64_t ino, end, left;
     int scattered;
     struct behind fifo[BEHIND_MAX];

@@ -398,7 +398,10 @@ int link_call(const msgpack_object **result)
     unsigned delay_ms = 10;
     *result = NULL;
     g_bridge.reply_len = 0;
-    behind_end_grant(); /* the shard ends it on this request too */
+    /* Any request but a read ends the grant; the shard ends it there too
+     * (slates.node.grants: a read only sees what came before it in the ring). */
+    if (g_bridge.cur_op == NULL || strcmp(g_bridge.cur_op, "fs.read") != 0)
+        behind_end_grant();
     for (;;) {
         if (!g_bridge.attached) {
             int rc = reconnect_once();

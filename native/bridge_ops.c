@@ -481,7 +481,7 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
      * that already existed gets a grant only when it is empty).  The kernel's WRITE
      * cannot overtake this: it waits for the link lock, held until we return. */
     if (asking && ino != 0 && mp_int(mp_get(res, "grant"), &grant))
-        behind_granted(ino, 0, grant, 1);
+        behind_granted(ino, 0, grant, mp_true(mp_get(res, "scatter")));
 }
 
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -621,7 +621,7 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
             break;
         int64_t grant = 0;
         if (asking && (size_t)written == size && mp_int(mp_get(res, "grant"), &grant))
-            behind_granted(ino, (uint64_t)off + size, grant, 0);
+            behind_granted(ino, (uint64_t)off + size, grant, mp_true(mp_get(res, "scatter")));
     } while (done < size);
     if (err != 0 && done == 0)
         fuse_reply_err(req, err);

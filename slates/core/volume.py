@@ -2042,6 +2042,12 @@ class Volume:
         body = self._inode(ino).body
         return isinstance(body, FileBody) and not uncovered(body.extents, start, end)
 
+    def reads_base(self, ino: int) -> bool:
+        """Whether any of the file's bytes are still read from the base (a write next to
+        them would read its edge pages there, and could meet BaseDrift)."""
+        body = self._inode(ino).body
+        return isinstance(body, FileBody) and any(isinstance(e, BaseSpan) for e in body.extents)
+
     def write(self, ino: int, offset: int, data: bytes, *, time_ns: int = 0) -> int:
         """Write, reading the partial edge pages first (this may read the base).
 

@@ -12,7 +12,9 @@ refuse them), and a write under the grant ("granted") is not refused for
 journal room.  The bridge then answers such writes to the kernel as soon as
 they are in the ring (native/bridge_behind.c).  A grant lives until the
 next request the shard takes from that ring that is not a write under it:
-both sides end it there, so they agree on it without saying so.  Another
+both sides end it there, so they agree on it without saying so.  A read
+(fs.read) does not end it: it comes after the granted writes in the ring, so
+it sees them, and it holds no room (an assembler reads back what it wrote).  Another
 client's request that names the volume waits until the mount's ring is
 answered up to where it was when that request came (Shard._quiesce), so
 what a program saw written is what an SDK read, write or snapshot sees.
@@ -22,11 +24,12 @@ This module is the pure part, one `LinkGrant` per ring link: the table of
 (slates.node.shard) does the holding and releasing on the volume.
 
 Two kinds.  An append grant (after a write at its file's end) covers writes
-each starting where the last ended, and each costs its bytes.  A new-file
-grant (after a create of an empty file) covers writes anywhere in the file:
-an assembler or linker writes its output in pieces and goes back to fill in
-headers, and an empty file has no base content such a write could need
-(so none can fail on BaseDrift), short of the volume's largest file
+each starting where the last ended, and each costs its bytes.  A scattered
+grant (after a create of an empty file, or a write to a file none of whose
+bytes are read from the base) covers writes anywhere in the file: an
+assembler or linker writes its output in pieces and goes back to fill in
+headers, and such a file has no base content a write could need (so none
+can fail on BaseDrift), short of the volume's largest file
 (MAX_FILE_SIZE); each costs its bytes plus
 SCATTER_COST, a bound on the pages around it (its partial first and last
 pages) and its extent's metadata, so the room held still covers every write
@@ -35,9 +38,12 @@ the bridge may answer early.  Both sides count a grant's `left` the same way
 
     state   input                                   next    effect
     IDLE    a write that asked, applied at its end  HELD    hold room, reply "grant"
+    IDLE    a write that asked, to a file with no   HELD    hold room, reply "grant" (scattered)
+            base content
     IDLE    a create that asked, of an empty file   HELD    hold room, reply "grant" (scattered)
     IDLE    anything else                           IDLE    -
     HELD    a write under it that fits              HELD*   release, apply, hold what is left
+    HELD    a read (fs.read)                        HELD    -
     HELD    anything else (and the link's end)      IDLE    release the room
 
 (*) or IDLE when nothing is left to promise.  A "granted" write that arrives
@@ -83,8 +89,8 @@ class GrantState(enum.Enum):
 @dataclasses.dataclass(frozen=True, slots=True)
 class Grant:
     """What is promised: writes to `ino` of `volume` from `end` on (anywhere in it,
-    for a new file: `scattered`), costing `left` in all (`cost`), with `held` bytes of
-    the volume's room held for them."""
+    for a file with no base content: `scattered`), costing `left` in all (`cost`),
+    with `held` bytes of the volume's room held for them."""
 
     volume: str
     ino: int
@@ -129,16 +135,21 @@ class LinkGrant:
 
     def receive(self, op: str, args: dict[str, Any]) -> tuple[Grant | None, bool]:
         """A request arrives: (the grant whose room to release now, or None; whether
-        the request is a write under it).  Either way the link is IDLE after."""
-        grant, self.grant = self.grant, None
-        if grant is None:  # IDLE, any request: IDLE
+        the request is a write under it).  The link is IDLE after, but for a read,
+        which keeps what it holds (it sees the writes before it in the ring and
+        changes no room)."""
+        if op == "fs.read":  # any state, a read: the same state
             return None, False
-        return grant, _write_under(grant, op, args)  # HELD, any request: IDLE
+        grant, self.grant = self.grant, None
+        if grant is None:  # IDLE, any other request: IDLE
+            return None, False
+        return grant, _write_under(grant, op, args)  # HELD, any other request: IDLE
 
     def offer(
         self, volume: str, ino: int, end: int, left: int, held: int, *, scattered: bool = False
     ) -> Grant:
-        """After a write at its file's end, or a create of an empty file (`scattered`):
+        """After a write at its file's end, or to a file with no base content, or a
+        create of an empty file (those two `scattered`):
         the grant now held (IDLE -> HELD; a HELD link must have been through `receive`
         first, so that is refused)."""
         if self.grant is not None:

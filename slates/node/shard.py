@@ -485,9 +485,10 @@ class Shard:
         under: Grant | None,
         charged: int,
     ) -> dict[str, Any]:
-        """After a write: promise the next appending writes (slates.node.grants), for a
-        write that asked and ended at its file's end, or one under a grant (what is
-        left of it, its room less what the write was charged); after a create that
+        """After a write: promise the next writes (slates.node.grants), for a write that
+        asked, anywhere in its file when none of it is read from the base, else from
+        the write's end when that is the file's; or, for one under a grant, what is
+        left of it (its room less what the write was charged).  After a create that
         asked, the writes anywhere in the empty file it made (or found)."""
         args = request.args
         result = reply.get("result")
@@ -516,11 +517,12 @@ class Shard:
         if args.get("behind") is not True or not isinstance(result, dict):
             return reply
         try:
-            if volume.getattr(ino).size != end:
-                return reply  # not an append: the next write may need the base
+            scattered = not volume.reads_base(ino)
+            if not scattered and volume.getattr(ino).size != end:
+                return reply  # not an append, and the next write may need the base
         except SlatesError:
             return reply
-        return self._offer(link, vid, volume, ino, end, reply, result)
+        return self._offer(link, vid, volume, ino, end, reply, result, scattered)
 
     def _offer(
         self,
@@ -542,7 +544,8 @@ class Shard:
         if not self._hold(link, vid, volume, ino, end, GRANT_BYTES, held, scattered):
             return reply
         # A new reply: the saved one (a retry's answer) must not carry an old grant.
-        return {**reply, "result": {**result, "grant": GRANT_BYTES}}
+        granted = {"grant": GRANT_BYTES, "scatter": True} if scattered else {"grant": GRANT_BYTES}
+        return {**reply, "result": {**result, **granted}}
 
     @staticmethod
     def _hold(
