@@ -66,7 +66,8 @@ a name created, removed or moved in the base drops the kernel's listing, so
 kept listings follow the live base ("watch_invals" counts them).
 Write-behind (native/bridge_behind.c, slates/node/grants.py): in a
 write-through mount, a write that extends a file may come back with the
-shard's grant for the next 8 MiB of appending writes, and those are
+shard's grant for the next 8 MiB of appending writes (writes anywhere in a
+file with nothing read from the base, a new one included), and those are
 answered to the kernel once they are in the ring, their replies taken later
 in order; $SLATES_BRIDGE_BEHIND=0 turns it off (write_behind_wanted()).
 FUSE-over-io_uring (issue 14): with $SLATES_FUSE_URING=1, when the bridge
