@@ -131,6 +131,26 @@ def test_base_drift_affects_only_unpinned_content(project: Path) -> None:
     assert volume.read(big, 0, 16) == b"// private edit\n"
 
 
+def test_a_file_reads_the_base_while_any_of_its_extents_does(project: Path) -> None:
+    """What decides whether a write brings a scattered grant (slates.node.grants):
+    none of the file's bytes may be read from the base, which a rewrite of all of them,
+    or a new file, ensures; a file past the extents it may have is not looked at."""
+    volume = Volume.new(Host(), base=LiveDirectory(str(project)))
+    big = volume.resolve("/src/image.rs")
+    assert volume.reads_base(big, 256)
+    volume.write(big, 0, b"// private edit\n")  # its first page only
+    assert volume.reads_base(big, 256)
+    size = volume.getattr(big).size
+    volume.write(big, 0, b"x" * size)  # every byte private now
+    assert not volume.reads_base(big, 256)
+    new = volume.create(ROOT_INO, "lapi.o").ino
+    assert not volume.reads_base(new, 256)
+    for page in range(4):  # holes between: four extents
+        volume.write(new, page * 8192, b"y")
+    assert not volume.reads_base(new, 4) and volume.reads_base(new, 3)
+    assert not volume.reads_base(volume.resolve("/src"), 0)  # not a file
+
+
 def test_base_drift_is_detected_for_a_snapshot_of_a_live_overlay(project: Path) -> None:
     host = Host()
     volume = Volume.new(host, base=LiveDirectory(str(project)))

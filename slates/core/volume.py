@@ -2042,11 +2042,15 @@ class Volume:
         body = self._inode(ino).body
         return isinstance(body, FileBody) and not uncovered(body.extents, start, end)
 
-    def reads_base(self, ino: int) -> bool:
-        """Whether any of the file's bytes are still read from the base (a write next to
-        them would read its edge pages there, and could meet BaseDrift)."""
+    def reads_base(self, ino: int, most_extents: int) -> bool:
+        """Whether any of the file's bytes may still be read from the base (a write next
+        to them would read its edge pages there, and could meet BaseDrift): true when
+        one of its extents is, and, unlooked at, when it has more than `most_extents`."""
         body = self._inode(ino).body
-        return isinstance(body, FileBody) and any(isinstance(e, BaseSpan) for e in body.extents)
+        if not isinstance(body, FileBody):
+            return False
+        extents = body.extents
+        return len(extents) > most_extents or any(isinstance(e, BaseSpan) for e in extents)
 
     def write(self, ino: int, offset: int, data: bytes, *, time_ns: int = 0) -> int:
         """Write, reading the partial edge pages first (this may read the base).

@@ -14,8 +14,8 @@ they are in the ring (native/bridge_behind.c).  A grant lives until the
 next request the shard takes from that ring that is not a write under it:
 both sides end it there, so they agree on it without saying so.  A read
 (fs.read) does not end it: it comes after the granted writes in the ring, so
-it sees them, and it holds no room (an assembler reads back what it wrote).  Another
-client's request that names the volume waits until the mount's ring is
+it sees them, and it holds no room (an assembler reads back what it wrote).
+Another client's request that names the volume waits until the mount's ring is
 answered up to where it was when that request came (Shard._quiesce), so
 what a program saw written is what an SDK read, write or snapshot sees.
 
@@ -25,21 +25,21 @@ This module is the pure part, one `LinkGrant` per ring link: the table of
 
 Two kinds.  An append grant (after a write at its file's end) covers writes
 each starting where the last ended, and each costs its bytes.  A scattered
-grant (after a create of an empty file, or a write to a file none of whose
-bytes are read from the base) covers writes anywhere in the file: an
+grant (after a create of an empty file, or a write to a file of at most
+SCATTER_EXTENTS extents none of which is read from the base) covers writes
+anywhere in the file short of the volume's largest file (MAX_FILE_SIZE): an
 assembler or linker writes its output in pieces and goes back to fill in
-headers, and such a file has no base content a write could need (so none
-can fail on BaseDrift), short of the volume's largest file
-(MAX_FILE_SIZE); each costs its bytes plus
-SCATTER_COST, a bound on the pages around it (its partial first and last
-pages) and its extent's metadata, so the room held still covers every write
-the bridge may answer early.  Both sides count a grant's `left` the same way
-(`cost`).
+headers, and such a file has no base content a write could need, so none
+can fail on BaseDrift.  Each costs its bytes plus SCATTER_COST, a bound on
+the pages around it (its partial first and last pages) and its extent, so
+the room held still covers every write the bridge may answer early.  Both
+sides count a grant's `left` the same way (`cost`).  (SCATTER_EXTENTS keeps
+the look at the extents, one per write that asked, short.)
 
     state   input                                   next    effect
     IDLE    a write that asked, applied at its end  HELD    hold room, reply "grant"
     IDLE    a write that asked, to a file with no   HELD    hold room, reply "grant" (scattered)
-            base content
+            base content (SCATTER_EXTENTS)
     IDLE    a create that asked, of an empty file   HELD    hold room, reply "grant" (scattered)
     IDLE    anything else                           IDLE    -
     HELD    a write under it that fits              HELD*   release, apply, hold what is left
@@ -65,6 +65,7 @@ __all__ = [
     "GRANT_BYTES",
     "GRANT_MARGIN",
     "SCATTER_COST",
+    "SCATTER_EXTENTS",
     "Grant",
     "GrantState",
     "LinkGrant",
@@ -75,10 +76,12 @@ GRANT_BYTES = 8 << 20  # what a bridge may answer early before it hears back
 # What the writes of one grant may be charged beyond their bytes (their first and
 # last partial pages, extent metadata): held with the grant so it cannot run out.
 GRANT_MARGIN = 256 << 10
-# What a new-file grant counts a write beyond its bytes (see the module docstring):
+# What a scattered grant counts a write beyond its bytes (see the module docstring):
 # two partial pages and a page's worth for its extent.  native/bridge_behind.c's
 # BEHIND_SCATTER_COST is the same number.
 SCATTER_COST = 3 * 4096
+# The most extents a file may have for a write to it to bring a scattered grant.
+SCATTER_EXTENTS = 256
 
 
 class GrantState(enum.Enum):

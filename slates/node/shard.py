@@ -84,7 +84,14 @@ from slates.errors import (
 from slates.node.arena import ArenaChunks
 from slates.node.checkpoints import Checkpoints
 from slates.node.events import Event, RecordApplied, frame_parts, from_wire, to_wire
-from slates.node.grants import GRANT_BYTES, GRANT_MARGIN, Grant, LinkGrant, cost
+from slates.node.grants import (
+    GRANT_BYTES,
+    GRANT_MARGIN,
+    SCATTER_EXTENTS,
+    Grant,
+    LinkGrant,
+    cost,
+)
 from slates.node.jobs import Io, Job, Outcome, Sent, Thrown
 from slates.node.journal import PAGE, Checksummed, Journal, Segment
 from slates.node.memory import (
@@ -485,11 +492,12 @@ class Shard:
         under: Grant | None,
         charged: int,
     ) -> dict[str, Any]:
-        """After a write: promise the next writes (slates.node.grants), for a write that
-        asked, anywhere in its file when none of it is read from the base, else from
-        the write's end when that is the file's; or, for one under a grant, what is
-        left of it (its room less what the write was charged).  After a create that
-        asked, the writes anywhere in the empty file it made (or found)."""
+        """After a write: promise the next writes (slates.node.grants).  For a write
+        that asked: anywhere in its file when none of it is read from the base (of at
+        most SCATTER_EXTENTS extents), else from the write's end when that is the
+        file's.  For one under a grant: what is left of it (its room less what the
+        write was charged).  After a create that asked: the writes anywhere in the
+        empty file it made (or found)."""
         args = request.args
         result = reply.get("result")
         if reply.get("error") is not None:
@@ -517,7 +525,7 @@ class Shard:
         if args.get("behind") is not True or not isinstance(result, dict):
             return reply
         try:
-            scattered = not volume.reads_base(ino)
+            scattered = not volume.reads_base(ino, SCATTER_EXTENTS)
             if not scattered and volume.getattr(ino).size != end:
                 return reply  # not an append, and the next write may need the base
         except SlatesError:
