@@ -10,8 +10,8 @@
  * will be applied" (it reserved their capacity: slates/fuse/PROTOCOL.md,
  * "Write grants").  An fs.create that asked gets one for writes anywhere
  * in the empty file it made, and so does a write to a file with no base
- * content ("scatter": each write counted BEHIND_SCATTER_COST more than its
- * bytes, as slates.node.grants counts it), so a new file's writes are
+ * content ("scatter": C, each write counted C more than its bytes, as
+ * slates.node.grants counts it), so a new file's writes are
  * answered early too, even those that go back to fill in a header (an
  * assembler's object file), and a tool writing many small files waits for
  * two round trips each, not three.
@@ -54,8 +54,6 @@
 #include <string.h>
 
 #define BEHIND_MAX 8     /* writes answered to the kernel, unanswered by the shard */
-/* What a scattered grant counts a write beyond its bytes: slates.node.grants.SCATTER_COST. */
-#define BEHIND_SCATTER_COST (3 * 4096)
 #define BEHIND_FILE_MAX (1ull << 43) /* slates.core.volume.MAX_FILE_SIZE */
 #define LATCH_MAX 16     /* inodes with a write failure not yet reported */
 
@@ -70,9 +68,9 @@ struct behind {
 
 static struct {
     int enabled;
-    /* the grant: held while `left` > 0; `scattered`: anywhere in the file */
-    uint64_t ino, end, left;
-    int scattered;
+    /* the grant: held while `left` > 0; anywhere in the file when `scatter` (what
+     * each write counts beyond its bytes, as the shard said) is not 0 */
+    uint64_t ino, end, left, scatter;
     struct behind fifo[BEHIND_MAX];
     unsigned first, count;
     struct {
@@ -95,14 +93,14 @@ int behind_wanted(void) { return g_wb.enabled && !g_bridge.writeback; }
 
 void behind_end_grant(void) { g_wb.left = 0; }
 
-void behind_granted(uint64_t ino, uint64_t end, int64_t bytes, int scattered)
+void behind_granted(uint64_t ino, uint64_t end, int64_t bytes, int64_t scatter)
 {
-    if (bytes <= 0 || !behind_wanted())
+    if (bytes <= 0 || scatter < 0 || scatter > bytes || !behind_wanted())
         return;
     g_wb.ino = ino;
     g_wb.end = end;
     g_wb.left = (uint64_t)bytes;
-    g_wb.scattered = scattered;
+    g_wb.scatter = (uint64_t)scatter;
 }
 
 static struct behind *fifo_at(unsigned i) { return &g_wb.fifo[(g_wb.first + i) % BEHIND_MAX]; }
@@ -174,8 +172,8 @@ int link_take_behind(uint64_t seq, int status, const msgpack_object *result)
 
 int behind_try(uint64_t ino, uint64_t off, const char *buf, size_t size)
 {
-    uint64_t cost = size + (g_wb.scattered ? BEHIND_SCATTER_COST : 0); /* grants.cost */
-    if (g_wb.left == 0 || g_wb.ino != ino || (g_wb.end != off && !g_wb.scattered) ||
+    uint64_t cost = size + g_wb.scatter; /* slates.node.grants.cost */
+    if (g_wb.left == 0 || g_wb.ino != ino || (g_wb.end != off && g_wb.scatter == 0) ||
         cost > g_wb.left || size > g_bridge.io_chunk || size == 0 || !g_bridge.attached ||
         off > BEHIND_FILE_MAX - size)
         return 0;

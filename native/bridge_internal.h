@@ -195,8 +195,6 @@ BRIDGE_INTERNAL void enc_bind(uint64_t parent, const char *name, uint64_t node,
 BRIDGE_INTERNAL const msgpack_object *mp_get(const msgpack_object *map, const char *key);
 BRIDGE_INTERNAL int mp_int(const msgpack_object *o, int64_t *out);
 BRIDGE_INTERNAL int mp_uint(const msgpack_object *o, uint64_t *out);
-/* Whether `o` is the boolean true. */
-BRIDGE_INTERNAL int mp_true(const msgpack_object *o);
 BRIDGE_INTERNAL int mp_bytes(const msgpack_object *o, const char **p, uint32_t *n);
 /* An ATTR map to a struct stat (0 or EIO); *node gets the kernel node id. */
 BRIDGE_INTERNAL int attr_from_node(const msgpack_object *o, struct stat *st, fuse_ino_t *node);
@@ -255,9 +253,9 @@ BRIDGE_INTERNAL int behind_wanted(void);
 /* The grant ends (any request other than a write under it is being sent). */
 BRIDGE_INTERNAL void behind_end_grant(void);
 /* A synchronous write's or create's reply granted `bytes` more from `end` on
- * inode `ino` (writes anywhere in it when `scattered`: a file with no base
- * content). */
-BRIDGE_INTERNAL void behind_granted(uint64_t ino, uint64_t end, int64_t bytes, int scattered);
+ * inode `ino` (writes anywhere in it when `scatter`, what each counts beyond
+ * its bytes, is not 0: a file with no base content). */
+BRIDGE_INTERNAL void behind_granted(uint64_t ino, uint64_t end, int64_t bytes, int64_t scatter);
 /* Send this write under the grant and answer it early: 1 when sent (answer
  * the kernel now), 0 when it must go the usual way. */
 BRIDGE_INTERNAL int behind_try(uint64_t ino, uint64_t off, const char *buf, size_t size);

@@ -534,11 +534,6 @@ int mp_int(const msgpack_object *o, int64_t *out)
     return 0;
 }
 
-int mp_true(const msgpack_object *o)
-{
-    return o != NULL && o->type == MSGPACK_OBJECT_BOOLEAN && o->via.boolean;
-}
-
 int mp_uint(const msgpack_object *o, uint64_t *out)
 {
     if (o != NULL && o->type == MSGPACK_OBJECT_POSITIVE_INTEGER) {

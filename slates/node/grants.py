@@ -77,8 +77,8 @@ GRANT_BYTES = 8 << 20  # what a bridge may answer early before it hears back
 # last partial pages, extent metadata): held with the grant so it cannot run out.
 GRANT_MARGIN = 256 << 10
 # What a scattered grant counts a write beyond its bytes (see the module docstring):
-# two partial pages and a page's worth for its extent.  native/bridge_behind.c's
-# BEHIND_SCATTER_COST is the same number.
+# two partial pages and a page's worth for its extent.  The shard sends it with the
+# grant ("scatter"), so the bridge counts with the same number.
 SCATTER_COST = 3 * 4096
 # The most extents a file may have for a write to it to bring a scattered grant.
 SCATTER_EXTENTS = 256

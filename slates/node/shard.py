@@ -87,6 +87,7 @@ from slates.node.events import Event, RecordApplied, frame_parts, from_wire, to_
 from slates.node.grants import (
     GRANT_BYTES,
     GRANT_MARGIN,
+    SCATTER_COST,
     SCATTER_EXTENTS,
     Grant,
     LinkGrant,
@@ -552,7 +553,9 @@ class Shard:
         if not self._hold(link, vid, volume, ino, end, GRANT_BYTES, held, scattered):
             return reply
         # A new reply: the saved one (a retry's answer) must not carry an old grant.
-        granted = {"grant": GRANT_BYTES, "scatter": True} if scattered else {"grant": GRANT_BYTES}
+        granted = (
+            {"grant": GRANT_BYTES, "scatter": SCATTER_COST} if scattered else {"grant": GRANT_BYTES}
+        )
         return {**reply, "result": {**result, **granted}}
 
     @staticmethod
