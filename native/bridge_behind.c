@@ -93,8 +93,13 @@ int behind_wanted(void) { return g_wb.enabled && !g_bridge.writeback; }
 
 void behind_end_grant(void) { g_wb.left = 0; }
 
-void behind_granted(uint64_t ino, uint64_t end, int64_t bytes, int64_t scatter)
+void behind_granted(uint64_t ino, uint64_t end, const msgpack_object *result)
 {
+    int64_t bytes = 0, scatter = 0;
+    if (!mp_int(mp_get(result, "grant"), &bytes))
+        return;
+    if (mp_get(result, "scatter") != NULL && !mp_int(mp_get(result, "scatter"), &scatter))
+        return;
     if (bytes <= 0 || scatter < 0 || scatter > bytes || !behind_wanted())
         return;
     g_wb.ino = ino;

@@ -250,12 +250,14 @@ BRIDGE_INTERNAL int link_wait_oldest(void);
 
 /* Whether this mount asks for grants (write-behind on, write-through cache). */
 BRIDGE_INTERNAL int behind_wanted(void);
-/* The grant ends (any request other than a write under it is being sent). */
+/* The grant ends (any request other than a write under it or a read is being
+ * sent). */
 BRIDGE_INTERNAL void behind_end_grant(void);
-/* A synchronous write's or create's reply granted `bytes` more from `end` on
- * inode `ino` (writes anywhere in it when `scatter`, what each counts beyond
- * its bytes, is not 0: a file with no base content). */
-BRIDGE_INTERNAL void behind_granted(uint64_t ino, uint64_t end, int64_t bytes, int64_t scatter);
+/* A synchronous write's or create's `result`, when it carries "grant": N,
+ * granted N more from `end` on inode `ino` (writes anywhere in it when it
+ * carries "scatter": C too, each counting C beyond its bytes: a file with no
+ * base content). */
+BRIDGE_INTERNAL void behind_granted(uint64_t ino, uint64_t end, const msgpack_object *result);
 /* Send this write under the grant and answer it early: 1 when sent (answer
  * the kernel now), 0 when it must go the usual way. */
 BRIDGE_INTERNAL int behind_try(uint64_t ino, uint64_t off, const char *buf, size_t size);

@@ -179,13 +179,19 @@ static void node_free(struct meta_node *e)
     free(e);
 }
 
+/* Under the lock: `e` keeps no base directory fd (the next LOOKUP may open one). */
+static void drop_dirfd_locked(struct meta_node *e)
+{
+    dirfd_put(e->dirfd);
+    e->dirfd = NULL;
+}
+
 /* Under the lock: `e` is no longer a clean directory (or no longer at the path
  * its kept fd was opened at): the fd goes with the mark. */
 static void unclean_locked(struct meta_node *e)
 {
     e->flags &= ~(unsigned)META_CLEAN_DIR;
-    dirfd_put(e->dirfd);
-    e->dirfd = NULL;
+    drop_dirfd_locked(e);
 }
 
 static int tainted(uint64_t node)
@@ -411,8 +417,7 @@ static void unclean_below_locked(const struct meta_node *dir)
 static void moved_locked(struct meta_node *dir, uint64_t parent, char **path)
 {
     unclean_below_locked(dir);
-    dirfd_put(dir->dirfd); /* opened at the old path */
-    dir->dirfd = NULL;
+    drop_dirfd_locked(dir); /* opened at the old path */
     free(dir->path);
     dir->path = *path;
     dir->name = last_name(*path);
@@ -462,10 +467,8 @@ static struct meta_node *take_ref(uint64_t node, uint64_t parent, char **path,
  * (dirfd_put it), or NULL; a stale one (`events` moved on) is dropped. */
 static struct dirfd *dir_fd_locked(struct meta_node *dir, uint64_t events)
 {
-    if (dir->dirfd != NULL && dirfd_events(dir->dirfd) != events) {
-        dirfd_put(dir->dirfd);
-        dir->dirfd = NULL;
-    }
+    if (dir->dirfd != NULL && dirfd_events(dir->dirfd) != events)
+        drop_dirfd_locked(dir);
     return dir->dirfd != NULL ? dirfd_get(dir->dirfd) : NULL;
 }
 

@@ -476,13 +476,11 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
         return;
     }
     fuse_ino_t ino = reply_entry_from(req, res, 1, fi, exclusive, ep);
-    int64_t grant = 0;
     /* The new file's writes, anywhere in it, may then be answered early (a file
      * that already existed gets a grant only when it is empty).  The kernel's WRITE
      * cannot overtake this: it waits for the link lock, held until we return. */
-    int64_t scatter = 0;
-    if (asking && ino != 0 && mp_int(mp_get(res, "grant"), &grant))
-        behind_granted(ino, 0, grant, mp_int(mp_get(res, "scatter"), &scatter) ? scatter : 0);
+    if (asking && ino != 0)
+        behind_granted(ino, 0, res);
 }
 
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -620,10 +618,8 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
         done += (size_t)written;
         if ((size_t)written < n)
             break;
-        int64_t grant = 0, scatter = 0;
-        if (asking && (size_t)written == size && mp_int(mp_get(res, "grant"), &grant))
-            behind_granted(ino, (uint64_t)off + size, grant,
-                           mp_int(mp_get(res, "scatter"), &scatter) ? scatter : 0);
+        if (asking && (size_t)written == size)
+            behind_granted(ino, (uint64_t)off + size, res);
     } while (done < size);
     if (err != 0 && done == 0)
         fuse_reply_err(req, err);

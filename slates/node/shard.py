@@ -542,7 +542,7 @@ class Shard:
         end: int,
         reply: dict[str, Any],
         result: dict[str, Any],
-        scattered: bool = False,
+        scattered: bool,
     ) -> dict[str, Any]:
         """A fresh grant of GRANT_BYTES for writes to `ino` from `end` (anywhere in it:
         `scattered`), added to `reply`'s result, when the journal and the volume have
