@@ -436,6 +436,8 @@ BRIDGE_INTERNAL int meta_prepare_child(uint64_t parent, const char *name);
 BRIDGE_INTERNAL int prefetch_set_mountpoint(const char *mountpoint);
 /* After INIT is answered: start the listing thread (if a mountpoint was set). */
 BRIDGE_INTERNAL void prefetch_start(void);
+/* A READ came from process `pid`: unless it is a reader's, it earns read-ahead. */
+BRIDGE_INTERNAL void prefetch_note_read(uint32_t pid);
 /* No more listings (the bridge stops); idempotent, never waits for the thread. */
 BRIDGE_INTERNAL void prefetch_stop(void);
 

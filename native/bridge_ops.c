@@ -532,6 +532,7 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                     struct fuse_file_info *fi)
 {
     (void)fi;
+    prefetch_note_read((uint32_t)fuse_req_ctx(req)->pid);
     const char *clean = NULL;
     long served = clean_read(ino, (uint64_t)off, size, &clean);
     if (served >= 0) {

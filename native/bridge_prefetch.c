@@ -28,7 +28,7 @@
  * directory waits, the readers read the listed regular files of a clean
  * directory through the mount too (not the root's .git: the repository's
  * objects are git's to read when it needs them), each to its end if it is
- * at most PREFETCH_FILE_MAX bytes, until PREFETCH_CONTENT_BYTES were read:
+ * at most PREFETCH_FILE_MAX bytes, as much as "How much is read ahead" says:
  * the loop threads answer those READs from the base (bridge_clean.c), and
  * the kernel keeps the pages.  The reader does that at SCHED_IDLE (once its
  * first file comes), so it takes only CPU time nobody else wants: without
@@ -43,6 +43,21 @@
  * copy of what the base's page cache holds, reclaimable like any cache
  * (kernel overlayfs shares one copy; fuse-overlayfs does not);
  * $SLATES_BRIDGE_READAHEAD=0 (bridge_set_readahead) turns it off.
+ *
+ * How much is read ahead.  Unasked, PREFETCH_FILES_FREE files and
+ * PREFETCH_CONTENT_FREE bytes: all of a repository the size of git/git, and
+ * what a mount nobody reads costs (about 1 s of bridge CPU and 64 MiB of
+ * cache on the 100,000-file tree).  Past that, files wait for demand: once
+ * callers (any process but the readers, by the READ's pid:
+ * prefetch_note_read) have sent PREFETCH_DEMAND_READS READs, someone is
+ * reading through the tree (grep -r, git hashing the work tree, a large
+ * build), and every listed file is read ahead, up to PREFETCH_CONTENT_BYTES.
+ * On the 100,000-file tree that made a first grep -r 12-20% faster (2.5-2.9x
+ * kernel overlayfs, from 3.0-3.6x; bench/RESULTS.md); reading all of it
+ * unasked would cost every mount 3-4 s of bridge CPU.  While files wait for
+ * demand the thread polls an eventfd the first READ past the bound writes
+ * (`starved`), and its readers stay (their namespaces hold the connection,
+ * so this waiting needs the mount table watched: see "An external umount").
  *
  * Which directories: once the mount serves, the root, then every
  * subdirectory a listing shows, depth first (a stack; the root's .git last),
@@ -72,7 +87,8 @@
  * process per CPU (readers_wanted; see "the reader process" below), which
  * the prefetch thread drives over two pipes each (poll); the thread keeps
  * the stack and the budget and asks bridge_meta.c which directories to
- * list, and the walk ends when no reader lists and nothing waits.
+ * list, and the walk ends when no reader lists and nothing waits (or waits
+ * only for demand that can no longer come: see "How much is read ahead").
  *
  * Pipelined jobs.  A reader holds up to PREFETCH_QUEUE jobs (a directory to
  * list, a file to read ahead) and answers them in the order given, so it
@@ -106,8 +122,9 @@
  * readers: the copy goes with them, and the bridge ends as after any
  * unmount.
  *
- * Bounded: PREFETCH_STACK directories and PREFETCH_FILES files wait (more
- * are refused), at most PREFETCH_READERS_MAX readers list, each holding at
+ * Bounded: PREFETCH_STACK directories wait (more are refused), and files
+ * only as many as the walk's budget (each is a listed entry, offered once),
+ * at most PREFETCH_READERS_MAX readers list, each holding at
  * most PREFETCH_QUEUE jobs, and at most
  * PREFETCH_CONTENT_BYTES (plus one file) are read ahead;
  * the entry budgets above bound what the kernel and the bridge's node table
@@ -127,6 +144,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -137,9 +155,12 @@
 #define PREFETCH_STACK 1024
 #define PREFETCH_READERS_MAX 4
 #define PREFETCH_BUF (64u << 10) /* the kernel asks READDIRPLUS for this much */
-#define PREFETCH_FILES 8192                /* files waiting to be read ahead */
+#define PREFETCH_FILES_FIRST 1024u         /* the file list's first size (it doubles) */
 #define PREFETCH_FILE_MAX (256u << 10)     /* a larger file is left to its readers */
-#define PREFETCH_CONTENT_BYTES (64ull << 20) /* read ahead per mount, at most */
+#define PREFETCH_FILES_FREE 8192u          /* read ahead unasked, at most (files) */
+#define PREFETCH_CONTENT_FREE (64ull << 20) /* ... and bytes */
+#define PREFETCH_DEMAND_READS 1024u        /* callers' READs that lift those two */
+#define PREFETCH_CONTENT_BYTES (256ull << 20) /* read ahead per mount, at most */
 #define PF_READ_FILE 0x80000000u           /* a reader's job word: read this file */
 #define PREFETCH_QUEUE 4 /* jobs a reader holds at once (see "Pipelined jobs") */
 
@@ -170,12 +191,16 @@ static struct {
     char *stack[PREFETCH_STACK]; /* mount-relative paths ("" the root), newest last */
     unsigned len;
     long listed; /* entries listed so far (the budget) */
-    char *files[PREFETCH_FILES]; /* listed regular files, in listing order */
-    unsigned nfiles, next_file;  /* files[next_file..nfiles) wait to be read */
+    char **files; /* listed regular files, in listing order (files_cap slots) */
+    unsigned nfiles, next_file, files_cap; /* files[next_file..nfiles) wait to be read */
     uint64_t content_bytes;      /* read ahead so far (the content budget) */
+    uint64_t given_files;        /* files given to readers so far */
+    uint64_t demand;             /* READs callers (not the readers) sent, counted to the lift */
+    int starved;   /* files wait for demand: the next caller READ wakes the thread */
+    int demand_fd; /* an eventfd the thread polls for that wake-up (-1: none) */
     struct reader readers[PREFETCH_READERS_MAX];
     unsigned nreaders; /* started (set before the thread runs, then fixed) */
-} g_pf = {.enabled = 1, .readahead = 1, .walk_entries = BRIDGE_WALK_ENTRIES};
+} g_pf = {.enabled = 1, .readahead = 1, .walk_entries = BRIDGE_WALK_ENTRIES, .demand_fd = -1};
 static pthread_mutex_t g_pf_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Held by an invalidation from this thread and by prefetch_stop, so the
  * session is never used once the bridge stops (it is destroyed after). */
@@ -267,34 +292,96 @@ static void drop_stack_locked(void)
         free(g_pf.stack[--g_pf.len]);
     while (g_pf.nfiles > g_pf.next_file)
         free(g_pf.files[--g_pf.nfiles]);
+    free(g_pf.files);
+    g_pf.files = NULL;
+    g_pf.nfiles = g_pf.next_file = g_pf.files_cap = 0;
 }
 
 /* Under g_pf_lock: keep a listed regular file to read ahead, unless it is in
  * the root's .git (a repository's objects are git's, read on demand), the
- * list is full or reading ahead is off. */
+ * list cannot grow or reading ahead is off.  The list doubles as it fills, up
+ * to the walk's budget: every file in it is an entry the walk listed once. */
 static void offer_file_locked(const char *path)
 {
-    if (!g_pf.readahead || g_pf.nfiles == PREFETCH_FILES ||
-        strncmp(path, ".git/", 5) == 0)
+    if (!g_pf.readahead || strncmp(path, ".git/", 5) == 0)
         return;
+    if (g_pf.nfiles == g_pf.files_cap) {
+        unsigned long cap = g_pf.files_cap ? 2ul * g_pf.files_cap : PREFETCH_FILES_FIRST;
+        if (cap > (unsigned long)g_pf.walk_entries)
+            cap = (unsigned long)g_pf.walk_entries;
+        char **grown = cap > g_pf.files_cap ? realloc(g_pf.files, cap * sizeof *grown) : NULL;
+        if (grown == NULL)
+            return; /* full, or no memory: only a prefetch */
+        g_pf.files = grown;
+        g_pf.files_cap = (unsigned)cap;
+    }
     char *copy = strdup(path);
     if (copy != NULL)
         g_pf.files[g_pf.nfiles++] = copy;
 }
 
+/* Under g_pf_lock: whether one more file may be read ahead now (see
+ * "How much is read ahead"). */
+static int ahead_allowed_locked(void)
+{
+    if (g_pf.content_bytes >= PREFETCH_CONTENT_BYTES)
+        return 0;
+    if (g_pf.given_files < PREFETCH_FILES_FREE && g_pf.content_bytes < PREFETCH_CONTENT_FREE)
+        return 1;
+    return g_pf.demand >= PREFETCH_DEMAND_READS;
+}
+
+/* Under g_pf_lock: files wait that only a caller's READs may let be read. */
+static int waits_for_demand_locked(void)
+{
+    return g_pf.state == PF_RUNNING && g_pf.next_file < g_pf.nfiles &&
+           g_pf.content_bytes < PREFETCH_CONTENT_BYTES && !ahead_allowed_locked();
+}
+
 /* The next file to read ahead (the caller frees it), once no directory waits;
- * NULL when none is left, the content budget is spent or the walk stopped. */
+ * NULL when none is left, none is allowed now, or the walk stopped. */
 static char *next_file_now(void)
 {
     char *path = NULL;
     pthread_mutex_lock(&g_pf_lock);
-    if (g_pf.state == PF_RUNNING && g_pf.next_file < g_pf.nfiles &&
-        g_pf.content_bytes < PREFETCH_CONTENT_BYTES) {
+    if (g_pf.state == PF_RUNNING && g_pf.next_file < g_pf.nfiles && ahead_allowed_locked()) {
         path = g_pf.files[g_pf.next_file];
         g_pf.files[g_pf.next_file++] = NULL;
+        g_pf.given_files++;
+        if (g_pf.next_file == g_pf.nfiles)
+            g_pf.nfiles = g_pf.next_file = 0; /* all taken: the slots are free again */
     }
     pthread_mutex_unlock(&g_pf_lock);
     return path;
+}
+
+/* Wake the prefetch thread if it waits for demand (or for the stop). */
+static void wake_thread_locked(void)
+{
+    uint64_t one = 1;
+    if (g_pf.starved && g_pf.demand_fd >= 0 && write(g_pf.demand_fd, &one, sizeof one) < 0) {
+        /* an eventfd's counter cannot overflow from these: nothing to do */
+    }
+    g_pf.starved = 0;
+}
+
+void prefetch_note_read(uint32_t pid)
+{
+    if (__atomic_load_n(&g_pf.state, __ATOMIC_RELAXED) != PF_RUNNING ||
+        __atomic_load_n(&g_pf.demand, __ATOMIC_RELAXED) >= PREFETCH_DEMAND_READS)
+        return; /* hints only (checked again under the lock): nothing to count */
+    pthread_mutex_lock(&g_pf_lock);
+    if (g_pf.state == PF_RUNNING && g_pf.readahead) {
+        int reader = 0;
+        for (unsigned i = 0; i < g_pf.nreaders; i++)
+            reader |= g_pf.readers[i].pid == (pid_t)pid;
+        if (!reader && g_pf.demand < PREFETCH_DEMAND_READS) {
+            g_pf.demand++;
+            if (g_pf.starved && ahead_allowed_locked())
+                wake_thread_locked();
+        }
+    }
+    pthread_mutex_unlock(&g_pf_lock);
 }
 
 /* Pop the newest directory still within its budget (the caller frees it); NULL
@@ -736,7 +823,7 @@ static void *prefetch_thread(void *unused)
     char mounted[32], now[32];
     int watching = table >= 0 && device_mounted_at(g_pf.mountpoint, mounted, sizeof mounted) == 0;
     for (int gone = 0; !gone;) {
-        struct pollfd fds[PREFETCH_READERS_MAX + 1];
+        struct pollfd fds[PREFETCH_READERS_MAX + 2];
         unsigned busy = 0;
         for (unsigned i = 0; i < n && !gone; i++) {
             struct reader *r = &g_pf.readers[i];
@@ -747,13 +834,30 @@ static void *prefetch_thread(void *unused)
             fds[i].revents = 0;
             busy += r->held > 0;
         }
-        if (gone || busy == 0)
-            break; /* the walk is done (nothing listing, nothing left), or a reader is gone */
+        if (gone)
+            break; /* a reader is gone */
+        if (busy == 0) {
+            pthread_mutex_lock(&g_pf_lock);
+            /* Waiting needs the mount table watched: the readers' namespaces hold
+             * the connection, so only that watch ends them after a umount. */
+            int starved = g_pf.starved =
+                watching && g_pf.demand_fd >= 0 && waits_for_demand_locked();
+            pthread_mutex_unlock(&g_pf_lock);
+            if (!starved)
+                break; /* the walk is done: nothing listing, nothing left to read */
+        }
         fds[n].fd = watching ? table : -1;
         fds[n].events = POLLPRI;
         fds[n].revents = 0;
-        if (poll(fds, n + 1, -1) < 0 && errno != EINTR)
+        fds[n + 1].fd = g_pf.demand_fd;
+        fds[n + 1].events = POLLIN;
+        fds[n + 1].revents = 0;
+        if (poll(fds, n + 2, -1) < 0 && errno != EINTR)
             break;
+        uint64_t woken;
+        if ((fds[n + 1].revents & POLLIN) && read(g_pf.demand_fd, &woken, sizeof woken) < 0) {
+            /* EAGAIN: another wake-up was read already */
+        }
         if ((fds[n].revents & (POLLPRI | POLLERR)) &&
             (device_mounted_at(g_pf.mountpoint, now, sizeof now) != 0 || strcmp(now, mounted) != 0))
             break; /* unmounted from outside */
@@ -765,6 +869,12 @@ static void *prefetch_thread(void *unused)
     if (table >= 0)
         close(table);
     reap_readers();
+    pthread_mutex_lock(&g_pf_lock);
+    if (g_pf.demand_fd >= 0)
+        close(g_pf.demand_fd);
+    g_pf.demand_fd = -1;
+    g_pf.starved = 0;
+    pthread_mutex_unlock(&g_pf_lock);
     return NULL;
 }
 
@@ -792,6 +902,7 @@ void prefetch_start(void)
         unsigned want = readers_wanted();
         while (g_pf.nreaders < want && start_reader(&g_pf.readers[g_pf.nreaders]) == 0)
             g_pf.nreaders++;
+        g_pf.demand_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC); /* -1: no waiting for demand */
         pthread_t tid;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
@@ -822,6 +933,7 @@ void prefetch_stop(void)
         kill_readers_locked(); /* the thread then reads EOF, closes and reaps */
     g_pf.state = (enum prefetch_state)next_state(PF_STOP);
     drop_stack_locked();
+    wake_thread_locked(); /* one waiting for demand sees the stop */
     pthread_mutex_unlock(&g_pf_lock);
     pthread_mutex_unlock(&g_pf_session_lock);
 }

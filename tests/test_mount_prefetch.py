@@ -14,7 +14,8 @@ READDIRPLUS and no shard request; small files read ahead then cost no READ and n
 GETATTR (and a base file changed after its read-ahead reads as before, then as
 drift once its pages are dropped); names added, removed and renamed in the base
 after the walk show in listings, however often the directory was listed before;
-the walk stops at its budget and lists nothing on demand; changes made in the
+the walk stops at its budget and lists nothing on demand; past a bound, files
+are read ahead only for callers who read; changes made in the
 mount while the walk runs end exactly as on tmpfs; an unmount in the middle of a
 walk is clean, and so is a user's umount(8) then (never "target is busy").
 """
@@ -430,6 +431,50 @@ def test_an_unmount_in_the_middle_of_a_walk_is_clean(
                     subprocess.run(["umount", "-l", str(where)], check=False)
         leftover = subprocess.run(["mount"], capture_output=True, text=True, check=True).stdout
         assert str(tmp_path) not in leftover
+
+
+# What a mount reads ahead unasked, and the callers' READs that lift that bound
+# (native/bridge_prefetch.c, PREFETCH_FILES_FREE and PREFETCH_DEMAND_READS).
+FREE_FILES = 8192
+DEMAND_READS = 1024
+
+
+def test_read_ahead_past_its_free_part_waits_for_callers_who_read(
+    service: Service, tmp_path: Path
+) -> None:
+    """A mount nobody reads reads ahead at most FREE_FILES files, and its readers
+    wait; a user's umount(8) then still ends them and the bridge.  Once callers have
+    sent DEMAND_READS READs (a grep or a build reading its way through the tree),
+    every other listed file is read ahead too."""
+    base = tmp_path / "base"
+    names = make_tree(base, 40, 250)  # 10,000 files
+    assert len(names) - FREE_FILES > DEMAND_READS  # reading them all lifts the bound
+    with Client(service.runtime) as client:
+        idle = client.create_volume("idle", base=base)["id"]
+        where = tmp_path / "idle"
+        where.mkdir()
+        bridge = int(client.mount(idle, where)["pid"])
+        try:
+            wait_for(lambda: counters(service.runtime, idle).get("readaheads", 0) >= FREE_FILES)
+            settled(service.runtime, idle)
+            assert counters(service.runtime, idle)["readaheads"] == FREE_FILES
+            readers = children_of(bridge)
+            assert readers != []  # waiting for callers' READs
+            done = subprocess.run(["umount", str(where)], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            wait_for(lambda: client.mounts() == [], 30)
+            assert not Path(f"/proc/{bridge}").exists() or exited_unreaped(bridge)
+            wait_for(lambda: not any(Path(f"/proc/{r}").exists() for r in readers), 20)
+        finally:
+            if is_mounted(str(where)):
+                subprocess.run(["umount", "-l", str(where)], check=False)
+
+        read = client.create_volume("read", base=base)["id"]
+        with mounted(client, read, tmp_path / "read") as mnt:
+            settled(service.runtime, read)
+            for rel in names:  # as grep -r does: the files not read ahead send READs
+                assert (mnt / rel).read_bytes() == (base / rel).read_bytes(), rel
+            wait_for(lambda: counters(service.runtime, read)["readaheads"] == len(names))
 
 
 def test_a_bridge_killed_in_the_middle_of_a_walk_exits(service: Service, tmp_path: Path) -> None:
