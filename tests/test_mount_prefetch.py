@@ -443,31 +443,36 @@ def test_read_ahead_past_its_free_part_waits_for_callers_who_read(
     service: Service, tmp_path: Path
 ) -> None:
     """A mount nobody reads reads ahead at most FREE_FILES files, and its readers
-    wait; a user's umount(8) then still ends them and the bridge.  Once callers have
-    sent DEMAND_READS READs (a grep or a build reading its way through the tree),
-    every other listed file is read ahead too."""
+    wait; an unmount then still ends them and the bridge, whether through Slates or
+    a user's umount(8).  Once callers have sent DEMAND_READS READs (a grep or a
+    build reading its way through the tree), every other listed file is read ahead
+    too."""
     base = tmp_path / "base"
     names = make_tree(base, 40, 250)  # 10,000 files
     assert len(names) - FREE_FILES > DEMAND_READS  # reading them all lifts the bound
     with Client(service.runtime) as client:
-        idle = client.create_volume("idle", base=base)["id"]
-        where = tmp_path / "idle"
-        where.mkdir()
-        bridge = int(client.mount(idle, where)["pid"])
-        try:
-            wait_for(lambda: counters(service.runtime, idle).get("readaheads", 0) >= FREE_FILES)
-            settled(service.runtime, idle)
-            assert counters(service.runtime, idle)["readaheads"] == FREE_FILES
-            readers = children_of(bridge)
-            assert readers != []  # waiting for callers' READs
-            done = subprocess.run(["umount", str(where)], capture_output=True, text=True)
-            assert done.returncode == 0, done.stderr
-            wait_for(lambda: client.mounts() == [], 30)
-            assert not Path(f"/proc/{bridge}").exists() or exited_unreaped(bridge)
-            wait_for(lambda: not any(Path(f"/proc/{r}").exists() for r in readers), 20)
-        finally:
-            if is_mounted(str(where)):
-                subprocess.run(["umount", "-l", str(where)], check=False)
+        for how in ("umount(8)", "slates unmount"):
+            vid = client.create_volume(f"idle-{how[0]}", base=base)["id"]
+            where = tmp_path / f"idle-{how[0]}"
+            where.mkdir()
+            bridge = int(client.mount(vid, where)["pid"])
+            try:
+                wait_for(lambda: counters(service.runtime, vid).get("readaheads", 0) >= FREE_FILES)  # noqa: B023
+                settled(service.runtime, vid)
+                assert counters(service.runtime, vid)["readaheads"] == FREE_FILES, how
+                readers = children_of(bridge)
+                assert readers != [], how  # waiting for callers' READs
+                if how == "umount(8)":
+                    done = subprocess.run(["umount", str(where)], capture_output=True, text=True)
+                    assert done.returncode == 0, done.stderr
+                else:
+                    client.unmount(where)
+                wait_for(lambda: client.mounts() == [], 30)
+                assert not Path(f"/proc/{bridge}").exists() or exited_unreaped(bridge)
+                wait_for(lambda: not any(Path(f"/proc/{r}").exists() for r in readers), 20)  # noqa: B023
+            finally:
+                if is_mounted(str(where)):
+                    subprocess.run(["umount", "-l", str(where)], check=False)
 
         read = client.create_volume("read", base=base)["id"]
         with mounted(client, read, tmp_path / "read") as mnt:
