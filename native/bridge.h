@@ -55,7 +55,8 @@
 #define BRIDGE_STAT_BEHIND_REPLIES 78 /* the shard's later replies to them */
 #define BRIDGE_STAT_DIRFD_LOOKUPS 79 /* LOOKUPs stat'ed from a kept base directory fd */
 #define BRIDGE_STAT_MOVED_DIRS 80 /* base directories found moved (bridge_meta.c) */
-#define BRIDGE_COUNTERS 81
+#define BRIDGE_STAT_HELD_ENTRIES 81 /* listed without attributes: the kernel holds them */
+#define BRIDGE_COUNTERS 82
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
 
 /* Grow the fd table now to hold the base directory fds LOOKUPs keep

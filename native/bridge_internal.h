@@ -388,6 +388,9 @@ BRIDGE_INTERNAL int meta_listable(uint64_t dir, uint64_t *epoch);
  * name is gone from the base. */
 BRIDGE_INTERNAL int meta_dirent(uint64_t dir, int dir_fd, const char *name, uint64_t epoch,
                                 struct fuse_entry_param *e);
+/* Whether the kernel holds `dir`'s entry `name` (base inode `base_ino`) as
+ * this file answered it: a listing may then give it without attributes. */
+BRIDGE_INTERNAL int meta_kernel_holds(uint64_t dir, const char *name, uint64_t base_ino);
 /* Take the lock if no taint ran since `epoch` (1), else 0; meta_unlock after
  * replying, so the reply reaches the kernel before any later invalidation. */
 BRIDGE_INTERNAL int meta_lock_if(uint64_t epoch);

@@ -646,6 +646,18 @@ out:
     return answered;
 }
 
+int meta_kernel_holds(uint64_t dir, const char *name, uint64_t base_ino)
+{
+    if (base_ino == 0 || base_ino >= META_BASE_INO_SPAN)
+        return 0;
+    pthread_mutex_lock(&g_meta_lock);
+    const struct meta_node *e = node_get(META_BASE_INO_START + base_ino);
+    int held = e != NULL && (e->flags & META_LOCAL) && e->kernel_refs > 0 && e->parent == dir &&
+               e->name != NULL && strcmp(e->name, name) == 0;
+    pthread_mutex_unlock(&g_meta_lock);
+    return held;
+}
+
 int meta_lock_if(uint64_t epoch)
 {
     gate_enter();

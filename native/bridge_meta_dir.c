@@ -13,9 +13,13 @@
  * again from the base root: the same checks, one syscall instead of three.
  * "." and ".." come first (cookies 1 and 2).  Each other name is answered as a
  * LOOKUP would be (meta_dirent: one kernel reference counted in the
- * bridge); a name bound in the volume, or not the bridge's to number, or
- * changed in the last two seconds (it may be being written), goes without
- * attributes (the kernel looks it up when it needs them).  The reply is sent inside the metadata reply gate after
+ * bridge).  A name the kernel holds already as the bridge answered it
+ * (meta_kernel_holds, by the inode number the base lists: a caller looked it
+ * up before the walk listed its directory) goes without attributes and
+ * without a stat: the kernel keeps the entry it has.  A name bound in the
+ * volume, or not the bridge's to number, or changed in the last two seconds
+ * (it may be being written), goes without attributes too, and the kernel
+ * looks it up when it needs it.  The reply is sent inside the metadata reply gate after
  * checking that no taint ran since the listing began, so an invalidation the watcher
  * acknowledged is never undone by it; otherwise every reference counted is
  * given back (give_back, under the link lock) and the shard answers.
@@ -47,6 +51,8 @@ uint64_t meta_cookie(const char *name, size_t len)
 struct listed {
     uint64_t cookie;
     char *name;
+    uint64_t base_ino; /* as the base directory lists it (d_ino) */
+    unsigned char type; /* d_type */
 };
 
 static int by_cookie(const void *a, const void *b)
@@ -101,6 +107,8 @@ static long list_beneath(const char *path, uint64_t node, uint64_t off, uint64_t
             break;
         }
         items[n].cookie = meta_cookie(d->d_name, len);
+        items[n].base_ino = (uint64_t)d->d_ino;
+        items[n].type = d->d_type;
         n++;
     }
     if (rc == 0 && errno != 0)
@@ -183,6 +191,17 @@ int meta_readdirplus(fuse_req_t req, uint64_t dir, size_t size, uint64_t off)
         struct fuse_entry_param e;
         if (fuse_add_direntry_plus(req, NULL, 0, items[i].name, NULL, 0) > size - used)
             break;
+        if (items[i].type != DT_UNKNOWN && meta_kernel_holds(dir, items[i].name, items[i].base_ino)) {
+            /* Looked up already (git's lstat, make's, a compiler's, racing the
+             * walk): no stat, no reference, and the kernel keeps its entry. */
+            memset(&e, 0, sizeof e);
+            e.attr.st_ino = (ino_t)items[i].base_ino;
+            e.attr.st_mode = DTTOIF(items[i].type);
+            bridge_count(BRIDGE_STAT_HELD_ENTRIES);
+            used += fuse_add_direntry_plus(req, buf + used, size - used, items[i].name, &e,
+                                           (off_t)items[i].cookie);
+            continue;
+        }
         int got = meta_dirent(dir, dir_fd, items[i].name, epoch, &e);
         if (got < 0)
             continue; /* removed since it was listed */

@@ -297,6 +297,7 @@ STATS: dict[int, str] = {
     lib.BRIDGE_STAT_BEHIND_REPLIES: "behind_replies",
     lib.BRIDGE_STAT_DIRFD_LOOKUPS: "dirfd_lookups",
     lib.BRIDGE_STAT_MOVED_DIRS: "moved_dirs",
+    lib.BRIDGE_STAT_HELD_ENTRIES: "held_entries",
 }
 
 
