@@ -56,8 +56,13 @@
  * kernel overlayfs, from 3.0-3.6x; bench/RESULTS.md); reading all of it
  * unasked would cost every mount 3-4 s of bridge CPU.  While files wait for
  * demand the thread polls an eventfd the first READ past the bound writes
- * (`starved`), and its readers stay (their namespaces hold the connection,
- * so this waiting needs the mount table watched: see "An external umount").
+ * (`starved`), and no reader lives: each reader's namespace holds a copy of
+ * every mount there was when it started (see "An external umount"), and a
+ * reader waiting for a caller who may never come would keep those mounts'
+ * connections alive after their umount (another mount's bridge would never
+ * end).  So the thread reaps its readers when it starts waiting and starts
+ * new ones when it may read again; only while they work do they hold copies,
+ * as during the walk.
  *
  * Which directories: once the mount serves, the root, then every
  * subdirectory a listing shows, depth first (a stack; the root's .git last),
@@ -199,7 +204,7 @@ static struct {
     int starved;   /* files wait for demand: the next caller READ wakes the thread */
     int demand_fd; /* an eventfd the thread polls for that wake-up (-1: none) */
     struct reader readers[PREFETCH_READERS_MAX];
-    unsigned nreaders; /* started (set before the thread runs, then fixed) */
+    unsigned nreaders; /* alive: set at start, then only by the thread (reaped while it waits) */
 } g_pf = {.enabled = 1, .readahead = 1, .walk_entries = BRIDGE_WALK_ENTRIES, .demand_fd = -1};
 static pthread_mutex_t g_pf_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Held by an invalidation from this thread and by prefetch_stop, so the
@@ -655,6 +660,16 @@ static int start_reader(struct reader *r)
     return 0;
 }
 
+static unsigned readers_wanted(void);
+
+/* Under g_pf_lock: start readers_wanted() readers (fewer if a fork fails). */
+static void start_readers_locked(void)
+{
+    unsigned want = readers_wanted();
+    while (g_pf.nreaders < want && start_reader(&g_pf.readers[g_pf.nreaders]) == 0)
+        g_pf.nreaders++;
+}
+
 /* Under g_pf_lock: end every reader (its thread then reads EOF). */
 static void kill_readers_locked(void)
 {
@@ -815,7 +830,7 @@ static void *prefetch_thread(void *unused)
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL); /* the loop threads take the signals */
-    unsigned n = g_pf.nreaders; /* fixed once the thread runs */
+    unsigned n = g_pf.nreaders; /* changes only here once the thread runs */
     /* The mount table, polled for changes (POLLPRI), and the mount's device:
      * when the topmost mount at the mountpoint is no longer it, the user
      * unmounted it, and the walk ends with its readers. */
@@ -838,13 +853,16 @@ static void *prefetch_thread(void *unused)
             break; /* a reader is gone */
         if (busy == 0) {
             pthread_mutex_lock(&g_pf_lock);
-            /* Waiting needs the mount table watched: the readers' namespaces hold
-             * the connection, so only that watch ends them after a umount. */
-            int starved = g_pf.starved =
-                watching && g_pf.demand_fd >= 0 && waits_for_demand_locked();
+            int starved = g_pf.starved = g_pf.demand_fd >= 0 && waits_for_demand_locked();
             pthread_mutex_unlock(&g_pf_lock);
             if (!starved)
                 break; /* the walk is done: nothing listing, nothing left to read */
+            if (n > 0) { /* no reader waits with it (see "How much is read ahead") */
+                reap_readers();
+                pthread_mutex_lock(&g_pf_lock);
+                g_pf.nreaders = n = 0;
+                pthread_mutex_unlock(&g_pf_lock);
+            }
         }
         fds[n].fd = watching ? table : -1;
         fds[n].events = POLLPRI;
@@ -864,6 +882,13 @@ static void *prefetch_thread(void *unused)
         for (unsigned i = 0; i < n && !gone; i++) {
             if (fds[i].fd >= 0 && (fds[i].revents & (POLLIN | POLLHUP | POLLERR)))
                 gone = take_answer(&g_pf.readers[i]) != 0;
+        }
+        if (n == 0) { /* woken while waiting: readers again, if reading ahead may go on */
+            pthread_mutex_lock(&g_pf_lock);
+            if (g_pf.state == PF_RUNNING && g_pf.next_file < g_pf.nfiles && ahead_allowed_locked())
+                start_readers_locked();
+            n = g_pf.nreaders;
+            pthread_mutex_unlock(&g_pf_lock);
         }
     }
     if (table >= 0)
@@ -899,9 +924,7 @@ void prefetch_start(void)
     if (next >= 0) {
         g_pf.state = (enum prefetch_state)next;
         push_locked(""); /* the walk begins at the root */
-        unsigned want = readers_wanted();
-        while (g_pf.nreaders < want && start_reader(&g_pf.readers[g_pf.nreaders]) == 0)
-            g_pf.nreaders++;
+        start_readers_locked();
         g_pf.demand_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC); /* -1: no waiting for demand */
         pthread_t tid;
         pthread_attr_t attr;

@@ -439,19 +439,32 @@ FREE_FILES = 8192
 DEMAND_READS = 1024
 
 
+def bridge_gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists() or exited_unreaped(pid)
+
+
 def test_read_ahead_past_its_free_part_waits_for_callers_who_read(
     service: Service, tmp_path: Path
 ) -> None:
-    """A mount nobody reads reads ahead at most FREE_FILES files, and its readers
-    wait; an unmount then still ends them and the bridge, whether through Slates or
-    a user's umount(8).  Once callers have sent DEMAND_READS READs (a grep or a
-    build reading its way through the tree), every other listed file is read ahead
-    too."""
+    """A mount nobody reads reads ahead at most FREE_FILES files, then waits with no
+    reader alive: a reader's mount namespace holds a copy of every mount there was
+    when it started, so one left waiting would keep another mount's connection (and
+    bridge) alive after its umount.  The waiting mount itself still ends through
+    Slates or a user's umount(8).  Once callers have sent DEMAND_READS READs (a grep
+    or a build reading its way through the tree), every other listed file is read
+    ahead too."""
     base = tmp_path / "base"
     names = make_tree(base, 40, 250)  # 10,000 files
     assert len(names) - FREE_FILES > DEMAND_READS  # reading them all lifts the bound
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "f").write_bytes(b"f\n")
     with Client(service.runtime) as client:
         for how in ("umount(8)", "slates unmount"):
+            other = client.create_volume(f"other-{how[0]}", base=small)["id"]
+            elsewhere = tmp_path / f"other-{how[0]}"
+            elsewhere.mkdir()
+            other_bridge = int(client.mount(other, elsewhere)["pid"])  # before the walk's readers
             vid = client.create_volume(f"idle-{how[0]}", base=base)["id"]
             where = tmp_path / f"idle-{how[0]}"
             where.mkdir()
@@ -460,19 +473,21 @@ def test_read_ahead_past_its_free_part_waits_for_callers_who_read(
                 wait_for(lambda: counters(service.runtime, vid).get("readaheads", 0) >= FREE_FILES)  # noqa: B023
                 settled(service.runtime, vid)
                 assert counters(service.runtime, vid)["readaheads"] == FREE_FILES, how
-                readers = children_of(bridge)
-                assert readers != [], how  # waiting for callers' READs
+                wait_for(lambda: children_of(bridge) == [])  # noqa: B023 (no reader waits)
+                done = subprocess.run(["umount", str(elsewhere)], capture_output=True, text=True)
+                assert done.returncode == 0, done.stderr
+                wait_for(lambda: bridge_gone(other_bridge), 30)  # noqa: B023
                 if how == "umount(8)":
                     done = subprocess.run(["umount", str(where)], capture_output=True, text=True)
                     assert done.returncode == 0, done.stderr
                 else:
                     client.unmount(where)
                 wait_for(lambda: client.mounts() == [], 30)
-                assert not Path(f"/proc/{bridge}").exists() or exited_unreaped(bridge)
-                wait_for(lambda: not any(Path(f"/proc/{r}").exists() for r in readers), 20)  # noqa: B023
+                assert bridge_gone(bridge)
             finally:
-                if is_mounted(str(where)):
-                    subprocess.run(["umount", "-l", str(where)], check=False)
+                for mountpoint in (where, elsewhere):
+                    if is_mounted(str(mountpoint)):
+                        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
         read = client.create_volume("read", base=base)["id"]
         with mounted(client, read, tmp_path / "read") as mnt:
