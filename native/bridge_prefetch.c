@@ -52,7 +52,7 @@
  * prefetch_note_read) have sent PREFETCH_DEMAND_READS READs, someone is
  * reading through the tree (grep -r, git hashing the work tree, a large
  * build), and every listed file is read ahead, up to PREFETCH_CONTENT_BYTES.
- * On the 100,000-file tree that made a first grep -r 12-20% faster (2.5-2.9x
+ * On the 100,000-file tree that made a first grep -r 12-20% faster (2.5-3.3x
  * kernel overlayfs, from 3.0-3.6x; bench/RESULTS.md); reading all of it
  * unasked would cost every mount 3-4 s of bridge CPU.  While files wait for
  * demand the thread polls an eventfd the first READ past the bound writes
@@ -677,14 +677,18 @@ static void kill_readers_locked(void)
         kill(g_pf.readers[i].pid, SIGKILL);
 }
 
-/* Close, end and reap every reader (the prefetch thread, or a failed start). */
+/* Close, end and reap every reader (the prefetch thread, or a failed start);
+ * they leave the table first, so no stop signals a reaped (reusable) pid. */
 static void reap_readers(void)
 {
+    struct reader gone[PREFETCH_READERS_MAX];
     pthread_mutex_lock(&g_pf_lock);
     unsigned n = g_pf.nreaders;
+    memcpy(gone, g_pf.readers, n * sizeof *gone);
+    g_pf.nreaders = 0; /* nobody signals them now: a reaped pid may be reused */
     pthread_mutex_unlock(&g_pf_lock);
     for (unsigned i = 0; i < n; i++) {
-        struct reader *r = &g_pf.readers[i];
+        struct reader *r = &gone[i];
         close(r->to); /* a reader ends at EOF, if it has not already */
         close(r->from);
         kill(r->pid, SIGKILL);
@@ -837,7 +841,10 @@ static void *prefetch_thread(void *unused)
     int table = open("/proc/self/mountinfo", O_RDONLY | O_CLOEXEC);
     char mounted[32], now[32];
     int watching = table >= 0 && device_mounted_at(g_pf.mountpoint, mounted, sizeof mounted) == 0;
-    for (int gone = 0; !gone;) {
+    /* Not in the table although it could be read: unmounted before this thread
+     * ran (a loaded host).  Walking on unwatched, the readers' copies would keep
+     * the connection until the walk ended. */
+    for (int gone = table >= 0 && !watching; !gone;) {
         struct pollfd fds[PREFETCH_READERS_MAX + 2];
         unsigned busy = 0;
         for (unsigned i = 0; i < n && !gone; i++) {
@@ -859,9 +866,7 @@ static void *prefetch_thread(void *unused)
                 break; /* the walk is done: nothing listing, nothing left to read */
             if (n > 0) { /* no reader waits with it (see "How much is read ahead") */
                 reap_readers();
-                pthread_mutex_lock(&g_pf_lock);
-                g_pf.nreaders = n = 0;
-                pthread_mutex_unlock(&g_pf_lock);
+                n = 0;
             }
         }
         fds[n].fd = watching ? table : -1;
