@@ -126,6 +126,15 @@ static long list_beneath(const char *path, uint64_t node, uint64_t off, uint64_t
     return (long)n;
 }
 
+/* A listing entry with no attributes (nodeid 0): the kernel makes no entry of
+ * it, and keeps any it has. */
+static void without_attrs(struct fuse_entry_param *e, uint64_t ino, mode_t type)
+{
+    memset(e, 0, sizeof *e);
+    e->attr.st_ino = (ino_t)ino;
+    e->attr.st_mode = type;
+}
+
 /* References counted for entries the kernel never got: the bridge's count
  * drops, and any a bind on another thread handed to the shard meanwhile is
  * forgotten there (under the link lock, so no bind is half done). */
@@ -194,33 +203,27 @@ int meta_readdirplus(fuse_req_t req, uint64_t dir, size_t size, uint64_t off)
         if (items[i].type != DT_UNKNOWN && meta_kernel_holds(dir, items[i].name, items[i].base_ino)) {
             /* Looked up already (git's lstat, make's, a compiler's, racing the
              * walk): no stat, no reference, and the kernel keeps its entry. */
-            memset(&e, 0, sizeof e);
-            e.attr.st_ino = (ino_t)items[i].base_ino;
-            e.attr.st_mode = DTTOIF(items[i].type);
+            without_attrs(&e, items[i].base_ino, DTTOIF(items[i].type));
             bridge_count(BRIDGE_STAT_HELD_ENTRIES);
-            used += fuse_add_direntry_plus(req, buf + used, size - used, items[i].name, &e,
-                                           (off_t)items[i].cookie);
-            continue;
-        }
-        int got = meta_dirent(dir, dir_fd, items[i].name, epoch, &e);
-        if (got < 0)
-            continue; /* removed since it was listed */
-        if (got == 0) {
-            /* Bound in the volume (or not ours to number): the entry goes without
-             * attributes, and the kernel looks it up when it needs them. */
-            struct stat st;
-            int rc = meta_stat_at(dir_fd, items[i].name, &st);
-            if (rc == -ENOENT)
-                continue;
-            if (rc != 0) {
-                ok = 0;
-                break;
-            }
-            memset(&e, 0, sizeof e);
-            e.attr.st_ino = st.st_ino;
-            e.attr.st_mode = st.st_mode & S_IFMT;
         } else {
-            counted[ncounted++] = e.ino;
+            int got = meta_dirent(dir, dir_fd, items[i].name, epoch, &e);
+            if (got < 0)
+                continue; /* removed since it was listed */
+            if (got == 0) {
+                /* Bound in the volume (or not ours to number): the entry goes without
+                 * attributes, and the kernel looks it up when it needs them. */
+                struct stat st;
+                int rc = meta_stat_at(dir_fd, items[i].name, &st);
+                if (rc == -ENOENT)
+                    continue;
+                if (rc != 0) {
+                    ok = 0;
+                    break;
+                }
+                without_attrs(&e, st.st_ino, st.st_mode & S_IFMT);
+            } else {
+                counted[ncounted++] = e.ino;
+            }
         }
         used += fuse_add_direntry_plus(req, buf + used, size - used, items[i].name, &e,
                                        (off_t)items[i].cookie);

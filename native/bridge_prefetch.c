@@ -55,8 +55,9 @@
  * On the 100,000-file tree that made a first grep -r 12-20% faster (2.5-3.3x
  * kernel overlayfs, from 3.0-3.6x; bench/RESULTS.md); reading all of it
  * unasked would cost every mount 3-4 s of bridge CPU.  While files wait for
- * demand the thread polls an eventfd the first READ past the bound writes
- * (`starved`), and no reader lives: each reader's namespace holds a copy of
+ * demand the thread polls an eventfd that the READ reaching
+ * PREFETCH_DEMAND_READS writes (the one event that lets it read again), and
+ * no reader lives: each reader's namespace holds a copy of
  * every mount there was when it started (see "An external umount"), and a
  * reader waiting for a caller who may never come would keep those mounts'
  * connections alive after their umount (another mount's bridge would never
@@ -201,7 +202,6 @@ static struct {
     uint64_t content_bytes;      /* read ahead so far (the content budget) */
     uint64_t given_files;        /* files given to readers so far */
     uint64_t demand;             /* READs callers (not the readers) sent, counted to the lift */
-    int starved;   /* files wait for demand: the next caller READ wakes the thread */
     int demand_fd; /* an eventfd the thread polls for that wake-up (-1: none) */
     struct reader readers[PREFETCH_READERS_MAX];
     unsigned nreaders; /* alive: set at start, then only by the thread (reaped while it waits) */
@@ -336,11 +336,20 @@ static int ahead_allowed_locked(void)
     return g_pf.demand >= PREFETCH_DEMAND_READS;
 }
 
+/* Under g_pf_lock: listed files wait to be read ahead, and the walk runs. */
+static int files_wait_locked(void)
+{
+    return g_pf.state == PF_RUNNING && g_pf.next_file < g_pf.nfiles;
+}
+
+/* Under g_pf_lock: a file may be given to a reader now. */
+static int file_ready_locked(void) { return files_wait_locked() && ahead_allowed_locked(); }
+
 /* Under g_pf_lock: files wait that only a caller's READs may let be read. */
 static int waits_for_demand_locked(void)
 {
-    return g_pf.state == PF_RUNNING && g_pf.next_file < g_pf.nfiles &&
-           g_pf.content_bytes < PREFETCH_CONTENT_BYTES && !ahead_allowed_locked();
+    return files_wait_locked() && g_pf.content_bytes < PREFETCH_CONTENT_BYTES &&
+           !ahead_allowed_locked();
 }
 
 /* The next file to read ahead (the caller frees it), once no directory waits;
@@ -349,7 +358,7 @@ static char *next_file_now(void)
 {
     char *path = NULL;
     pthread_mutex_lock(&g_pf_lock);
-    if (g_pf.state == PF_RUNNING && g_pf.next_file < g_pf.nfiles && ahead_allowed_locked()) {
+    if (file_ready_locked()) {
         path = g_pf.files[g_pf.next_file];
         g_pf.files[g_pf.next_file++] = NULL;
         g_pf.given_files++;
@@ -360,14 +369,14 @@ static char *next_file_now(void)
     return path;
 }
 
-/* Wake the prefetch thread if it waits for demand (or for the stop). */
+/* Wake the prefetch thread in case it waits for demand (demand came, or the
+ * stop); a wake-up it was not waiting for costs it one loop. */
 static void wake_thread_locked(void)
 {
     uint64_t one = 1;
-    if (g_pf.starved && g_pf.demand_fd >= 0 && write(g_pf.demand_fd, &one, sizeof one) < 0) {
+    if (g_pf.demand_fd >= 0 && write(g_pf.demand_fd, &one, sizeof one) < 0) {
         /* an eventfd's counter cannot overflow from these: nothing to do */
     }
-    g_pf.starved = 0;
 }
 
 void prefetch_note_read(uint32_t pid)
@@ -380,11 +389,9 @@ void prefetch_note_read(uint32_t pid)
         int reader = 0;
         for (unsigned i = 0; i < g_pf.nreaders; i++)
             reader |= g_pf.readers[i].pid == (pid_t)pid;
-        if (!reader && g_pf.demand < PREFETCH_DEMAND_READS) {
-            g_pf.demand++;
-            if (g_pf.starved && ahead_allowed_locked())
-                wake_thread_locked();
-        }
+        if (!reader && g_pf.demand < PREFETCH_DEMAND_READS &&
+            ++g_pf.demand == PREFETCH_DEMAND_READS)
+            wake_thread_locked(); /* the bound is lifted */
     }
     pthread_mutex_unlock(&g_pf_lock);
 }
@@ -860,9 +867,9 @@ static void *prefetch_thread(void *unused)
             break; /* a reader is gone */
         if (busy == 0) {
             pthread_mutex_lock(&g_pf_lock);
-            int starved = g_pf.starved = g_pf.demand_fd >= 0 && waits_for_demand_locked();
+            int waiting = g_pf.demand_fd >= 0 && waits_for_demand_locked();
             pthread_mutex_unlock(&g_pf_lock);
-            if (!starved)
+            if (!waiting)
                 break; /* the walk is done: nothing listing, nothing left to read */
             if (n > 0) { /* no reader waits with it (see "How much is read ahead") */
                 reap_readers();
@@ -890,7 +897,7 @@ static void *prefetch_thread(void *unused)
         }
         if (n == 0) { /* woken while waiting: readers again, if reading ahead may go on */
             pthread_mutex_lock(&g_pf_lock);
-            if (g_pf.state == PF_RUNNING && g_pf.next_file < g_pf.nfiles && ahead_allowed_locked())
+            if (file_ready_locked())
                 start_readers_locked();
             n = g_pf.nreaders;
             pthread_mutex_unlock(&g_pf_lock);
@@ -903,7 +910,6 @@ static void *prefetch_thread(void *unused)
     if (g_pf.demand_fd >= 0)
         close(g_pf.demand_fd);
     g_pf.demand_fd = -1;
-    g_pf.starved = 0;
     pthread_mutex_unlock(&g_pf_lock);
     return NULL;
 }
