@@ -437,6 +437,9 @@ BRIDGE_INTERNAL int meta_prepare_child(uint64_t parent, const char *name);
 
 /* Where the mount is (bridge_mount, before the loop starts): 0 or -errno. */
 BRIDGE_INTERNAL int prefetch_set_mountpoint(const char *mountpoint);
+/* After INIT is answered, before the mount is announced: hold a detached clone
+ * of the mount for the readers (if a mountpoint was set and the bridge may). */
+BRIDGE_INTERNAL void prefetch_hold_mount(void);
 /* After INIT is answered: start the listing thread (if a mountpoint was set). */
 BRIDGE_INTERNAL void prefetch_start(void);
 /* A READ came from process `pid`: unless it is a reader's, it earns read-ahead. */

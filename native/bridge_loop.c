@@ -179,6 +179,7 @@ int bridge_run(int ready_fd)
     if (!loop_over()) {
         watch_start(); /* before any listing: every one of a clean directory is watched */
         uring_start(); /* io_uring mode only: rings serve once every queue registers */
+        prefetch_hold_mount(); /* before a user may umount it: see bridge_prefetch.c */
     }
     signal_ready(&ready_fd);
     if (!loop_over())

@@ -57,13 +57,10 @@
  * unasked would cost every mount 3-4 s of bridge CPU.  While files wait for
  * demand the thread polls an eventfd that the READ reaching
  * PREFETCH_DEMAND_READS writes (the one event that lets it read again), and
- * no reader lives: each reader's namespace holds a copy of
- * every mount there was when it started (see "An external umount"), and a
- * reader waiting for a caller who may never come would keep those mounts'
- * connections alive after their umount (another mount's bridge would never
- * end).  So the thread reaps its readers when it starts waiting and starts
- * new ones when it may read again; only while they work do they hold copies,
- * as during the walk.
+ * no reader lives: a mount nobody reads may wait for ever, and should not
+ * keep processes for it (nor, in the fallback below, a namespace's copies of
+ * other mounts).  So the thread reaps its readers when it starts waiting and
+ * starts new ones when it may read again.
  *
  * Which directories: once the mount serves, the root, then every
  * subdirectory a listing shows, depth first (a stack; the root's .git last),
@@ -117,16 +114,25 @@
  * An external umount.  The readers hold directories and files of the mount
  * open a moment at a time, and umount(8) refuses a mount something holds
  * open ("target is busy"), so a user's umount in the first seconds of a
- * mount would fail now and then because of the walk.  So each reader walks
- * in a mount namespace of its own, with private propagation (when the bridge
- * has CAP_SYS_ADMIN): what it holds pins its own copy of the mount, the
- * user's umount succeeds, and the kernel keeps the connection while that
- * copy lives.  The prefetch thread watches the mount table meanwhile (its
- * text, never a stat of the mountpoint: that path walk holds the mount too,
- * and refused one umount in four right after a mount), and once the
- * mountpoint no longer names the mount it ends the walk, killing the
- * readers: the copy goes with them, and the bridge ends as after any
- * unmount.
+ * mount would fail now and then because of the walk.  So the readers walk
+ * beneath a detached clone of the mount (open_tree OPEN_TREE_CLONE, taken by
+ * prefetch_hold_mount after INIT and before the mount is announced, so no
+ * user's umount can race its path walk), each opening relative to it with
+ * openat2 RESOLVE_BENEATH | RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS: what they
+ * hold pins the clone, never the user's mount, so the user's umount
+ * succeeds, and the kernel keeps the connection while the clone lives (the
+ * bridge's fd and the readers' copies).  The clone is this mount alone: no
+ * other mount's connection is held by the walk (an earlier design gave each
+ * reader a mount namespace of its own, whose copy of every mount on the host
+ * kept another volume's bridge alive after its umount until this walk
+ * ended).  The prefetch thread watches the mount table meanwhile (its text,
+ * never a stat of the mountpoint: that path walk holds the mount too, and
+ * refused one umount in four right after a mount), and once the mountpoint
+ * no longer names the mount it ends the walk, killing the readers and
+ * closing the clone (release_tree_locked; so does the walk's end and any
+ * stop), and the bridge ends as after any unmount.  Without CAP_SYS_ADMIN
+ * there is no clone: a reader then unshares its mount namespace if it may,
+ * else walks the mountpoint's path in the caller's namespace.
  *
  * Bounded: PREFETCH_STACK directories wait (more are refused), and files
  * only as many as the walk's budget (each is a listed entry, offered once),
@@ -158,6 +164,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <linux/openat2.h>
+
 #define PREFETCH_STACK 1024
 #define PREFETCH_READERS_MAX 4
 #define PREFETCH_BUF (64u << 10) /* the kernel asks READDIRPLUS for this much */
@@ -169,6 +177,7 @@
 #define PREFETCH_CONTENT_BYTES (256ull << 20) /* read ahead per mount, at most */
 #define PF_READ_FILE 0x80000000u           /* a reader's job word: read this file */
 #define PREFETCH_QUEUE 4 /* jobs a reader holds at once (see "Pipelined jobs") */
+#define CHILD_TREE_FD 3  /* the mount's detached clone, in a reader (see "An external umount") */
 
 enum prefetch_state { PF_IDLE, PF_ARMED, PF_RUNNING, PF_STOPPED };
 
@@ -203,9 +212,11 @@ static struct {
     uint64_t given_files;        /* files given to readers so far */
     uint64_t demand;             /* READs callers (not the readers) sent, counted to the lift */
     int demand_fd; /* an eventfd the thread polls for that wake-up (-1: none) */
+    int tree_fd;   /* the mount's detached clone the readers walk beneath (-1: none) */
     struct reader readers[PREFETCH_READERS_MAX];
     unsigned nreaders; /* alive: set at start, then only by the thread (reaped while it waits) */
-} g_pf = {.enabled = 1, .readahead = 1, .walk_entries = BRIDGE_WALK_ENTRIES, .demand_fd = -1};
+} g_pf = {.enabled = 1, .readahead = 1, .walk_entries = BRIDGE_WALK_ENTRIES, .demand_fd = -1,
+         .tree_fd = -1};
 static pthread_mutex_t g_pf_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Held by an invalidation from this thread and by prefetch_stop, so the
  * session is never used once the bridge stops (it is destroyed after). */
@@ -300,6 +311,15 @@ static void drop_stack_locked(void)
     free(g_pf.files);
     g_pf.files = NULL;
     g_pf.nfiles = g_pf.next_file = g_pf.files_cap = 0;
+}
+
+/* Under g_pf_lock: let go of the mount's detached clone (the readers' copies go
+ * with them); the connection may then end (see "An external umount"). */
+static void release_tree_locked(void)
+{
+    if (g_pf.tree_fd >= 0)
+        close(g_pf.tree_fd);
+    g_pf.tree_fd = -1;
 }
 
 /* Under g_pf_lock: keep a listed regular file to read ahead, unless it is in
@@ -504,15 +524,33 @@ static long entries_in(const char *buf, long got)
     return n;
 }
 
+/* Whether this reader walks beneath the mount's detached clone (CHILD_TREE_FD). */
+static int g_child_tree;
+
+/* Open a job's path, `full` (the mountpoint, '/', then the mount-relative path):
+ * beneath the detached clone when the reader has one, never leaving it (no
+ * symlink followed, no other mount crossed), else by its path. */
+static int child_open(const char *full, size_t mlen, int flags)
+{
+    if (!g_child_tree)
+        return open(full, flags);
+    const char *rel = full[mlen + 1] != '\0' ? full + mlen + 1 : ".";
+    struct open_how how = {
+        .flags = (uint64_t)flags,
+        .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV,
+    };
+    return (int)syscall(SYS_openat2, CHILD_TREE_FD, rel, &how, sizeof how);
+}
+
 /* One file read ahead, in the child: the bytes read (0: not read).  Its READs
  * mark its atime stale in the kernel, so a caller's next stat of it would
  * cost a GETATTR: the fstat after the last read asks it now instead. */
-static uint32_t child_read_file(const char *full, char *buf)
+static uint32_t child_read_file(const char *full, size_t mlen, char *buf)
 {
     int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC;
-    int fd = open(full, flags | O_NOATIME);
+    int fd = child_open(full, mlen, flags | O_NOATIME);
     if (fd < 0 && errno == EPERM) /* O_NOATIME needs the owner or CAP_FOWNER */
-        fd = open(full, flags);
+        fd = child_open(full, mlen, flags);
     if (fd < 0)
         return 0;
     struct stat st;
@@ -555,10 +593,10 @@ static int child_list_one(const char *mountpoint, size_t mlen, char *buf)
             struct sched_param none = {.sched_priority = 0};
             idle = sched_setscheduler(0, SCHED_IDLE, &none) == 0 ? 1 : -1;
         }
-        uint32_t got = child_read_file(full, buf);
+        uint32_t got = child_read_file(full, mlen, buf);
         return full_write(1, &got, sizeof got);
     }
-    int fd = open(full, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int fd = child_open(full, mlen, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) { /* gone, renamed, or the mount is ending: nothing to list */
         uint32_t end = 0;
         return full_write(1, &end, sizeof end);
@@ -616,18 +654,21 @@ static void rename_self(void)
     memcpy((void *)(uintptr_t)start, name, sizeof name);
 }
 
-static void child_main(int cmd, int res, const char *mountpoint, char *buf)
+static void child_main(int cmd, int res, int tree, const char *mountpoint, char *buf)
 {
     rename_self();
-    if (dup2(cmd, 0) < 0 || dup2(res, 1) < 0)
+    int high = tree >= 0 ? fcntl(tree, F_DUPFD, CHILD_TREE_FD + 1) : -1; /* not 0-2 */
+    if (dup2(cmd, 0) < 0 || dup2(res, 1) < 0 || (tree >= 0 && dup2(high, CHILD_TREE_FD) < 0))
         _exit(1);
-    syscall(SYS_close_range, 2u, ~0u, 0u); /* /dev/fuse, rings, sockets, logs: none */
+    g_child_tree = tree >= 0;
+    close(2);
+    /* /dev/fuse, rings, sockets, logs: none */
+    syscall(SYS_close_range, g_child_tree ? CHILD_TREE_FD + 1u : 2u, ~0u, 0u);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
-    /* Its own mount namespace, private: what it holds open pins its copy of the
-     * mount, so a user's umount of the mountpoint is never refused busy because
-     * of the walk (see "An external umount" above).  Without CAP_SYS_ADMIN it
-     * walks in the caller's namespace, as before. */
-    if (unshare(CLONE_NEWNS) == 0)
+    /* Without the clone (no CAP_SYS_ADMIN for open_tree), a mount namespace of
+     * its own if it may, so what it holds pins its copy of the mount, not the
+     * user's; else it walks in the caller's namespace (see "An external umount"). */
+    if (!g_child_tree && unshare(CLONE_NEWNS) == 0)
         (void)mount("none", "/", NULL, MS_REC | MS_PRIVATE, NULL);
     sigset_t none;
     sigemptyset(&none);
@@ -652,7 +693,7 @@ static int start_reader(struct reader *r)
     static char child_buf[PREFETCH_BUF]; /* each child's own copy of this page range */
     pid_t pid = fork();
     if (pid == 0)
-        child_main(cmd[0], res[1], g_pf.mountpoint, child_buf);
+        child_main(cmd[0], res[1], g_pf.tree_fd, g_pf.mountpoint, child_buf);
     close(cmd[0]);
     close(res[1]);
     if (pid < 0) {
@@ -910,6 +951,7 @@ static void *prefetch_thread(void *unused)
     if (g_pf.demand_fd >= 0)
         close(g_pf.demand_fd);
     g_pf.demand_fd = -1;
+    release_tree_locked();
     pthread_mutex_unlock(&g_pf_lock);
     return NULL;
 }
@@ -926,6 +968,28 @@ static unsigned readers_wanted(void)
 {
     long want = sysconf(_SC_NPROCESSORS_ONLN);
     return want < 1 ? 1u : want > PREFETCH_READERS_MAX ? PREFETCH_READERS_MAX : (unsigned)want;
+}
+
+void prefetch_hold_mount(void)
+{
+    pthread_mutex_lock(&g_pf_lock);
+    int armed = g_pf.state == PF_ARMED && g_pf.tree_fd < 0;
+    pthread_mutex_unlock(&g_pf_lock);
+    if (!armed)
+        return;
+    /* Its path walk ends at the mount's root, which the kernel has from INIT:
+     * no request of this mount, so the loop need not serve yet. */
+    int tree = open_tree(AT_FDCWD, g_pf.mountpoint, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+    if (tree < 0)
+        return; /* no CAP_SYS_ADMIN: the readers go by path (child_main) */
+    pthread_mutex_lock(&g_pf_lock);
+    if (g_pf.state == PF_ARMED && g_pf.tree_fd < 0) {
+        g_pf.tree_fd = tree;
+        tree = -1;
+    }
+    pthread_mutex_unlock(&g_pf_lock);
+    if (tree >= 0)
+        close(tree);
 }
 
 void prefetch_start(void)
@@ -954,6 +1018,7 @@ void prefetch_start(void)
         if (next == PF_STOPPED) {
             g_pf.state = PF_STOPPED;
             drop_stack_locked();
+            release_tree_locked();
         }
     }
     pthread_mutex_unlock(&g_pf_lock);
@@ -967,6 +1032,7 @@ void prefetch_stop(void)
         kill_readers_locked(); /* the thread then reads EOF, closes and reaps */
     g_pf.state = (enum prefetch_state)next_state(PF_STOP);
     drop_stack_locked();
+    release_tree_locked(); /* no reader starts now; those alive are killed */
     wake_thread_locked(); /* one waiting for demand sees the stop */
     pthread_mutex_unlock(&g_pf_lock);
     pthread_mutex_unlock(&g_pf_session_lock);

@@ -396,6 +396,10 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def bridge_gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists() or exited_unreaped(pid)
+
+
 @pytest.mark.parametrize("how", ["slates unmount", "umount(8)"])
 def test_an_unmount_in_the_middle_of_a_walk_is_clean(
     service: Service, tmp_path: Path, how: str
@@ -403,8 +407,8 @@ def test_an_unmount_in_the_middle_of_a_walk_is_clean(
     """Unmounted while the walk runs, through Slates or by a user's umount(8): nothing
     stays mounted or listed, and the bridge exits.  umount(8) refuses a mount that
     anything holds open, even for a moment; the walk's readers hold the mount's
-    directories and files open a moment at a time, but in a mount namespace of
-    their own, and the bridge watches the mount table without touching the
+    directories and files open a moment at a time, but beneath a detached clone of
+    the mount, and the bridge watches the mount table without touching the
     mountpoint, so a user's umount succeeds whether it comes while a reader walks
     or the instant the mount returns."""
     base = tmp_path / "base"
@@ -433,23 +437,68 @@ def test_an_unmount_in_the_middle_of_a_walk_is_clean(
         assert str(tmp_path) not in leftover
 
 
+def test_another_mounts_umount_ends_it_while_this_mount_walks(
+    service: Service, tmp_path: Path
+) -> None:
+    """The walk's readers hold only their own mount (a detached clone of it), never a
+    copy of the host's others: another volume, mounted before them and unmounted by a
+    user's umount(8) while they walk, has its bridge exit at once, not when this walk
+    ends.  The readers are stopped (SIGSTOP) for the while, so the walk cannot end
+    first; a reader in a mount namespace of its own would keep the other mount's
+    connection, and its bridge, alive until then."""
+    base = tmp_path / "base"
+    make_tree(base, 100, 100)
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "f").write_bytes(b"f\n")
+    with Client(service.runtime) as client:
+        other = client.create_volume("other", base=small)["id"]
+        elsewhere = tmp_path / "other"
+        elsewhere.mkdir()
+        other_bridge = int(client.mount(other, elsewhere)["pid"])  # before the readers start
+        vid = client.create_volume("walking", base=base)["id"]
+        where = tmp_path / "walking"
+        where.mkdir()
+        bridge = int(client.mount(vid, where)["pid"])
+        readers: list[int] = []
+        try:
+            wait_for(lambda: children_of(bridge) != [])
+            readers = children_of(bridge)
+            for reader in readers:
+                os.kill(reader, signal.SIGSTOP)
+            done = subprocess.run(["umount", str(elsewhere)], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            wait_for(lambda: bridge_gone(other_bridge), 30)
+            assert all(Path(f"/proc/{reader}").exists() for reader in readers)  # still walking
+            for reader in readers:
+                os.kill(reader, signal.SIGCONT)
+            done = subprocess.run(["umount", str(where)], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            wait_for(lambda: client.mounts() == [], 30)
+            wait_for(lambda: bridge_gone(bridge), 30)
+        finally:
+            for reader in readers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(reader, signal.SIGCONT)
+            for mountpoint in (where, elsewhere):
+                if is_mounted(str(mountpoint)):
+                    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+        leftover = subprocess.run(["mount"], capture_output=True, text=True, check=True).stdout
+        assert str(tmp_path) not in leftover
+
+
 # What a mount reads ahead unasked, and the callers' READs that lift that bound
 # (native/bridge_prefetch.c, PREFETCH_FILES_FREE and PREFETCH_DEMAND_READS).
 FREE_FILES = 8192
 DEMAND_READS = 1024
 
 
-def bridge_gone(pid: int) -> bool:
-    return not Path(f"/proc/{pid}").exists() or exited_unreaped(pid)
-
-
 def test_read_ahead_past_its_free_part_waits_for_callers_who_read(
     service: Service, tmp_path: Path
 ) -> None:
     """A mount nobody reads reads ahead at most FREE_FILES files, then waits with no
-    reader alive: a reader's mount namespace holds a copy of every mount there was
-    when it started, so one left waiting would keep another mount's connection (and
-    bridge) alive after its umount.  The waiting mount itself still ends through
+    reader alive (it may wait for ever), and another mount's bridge still exits
+    after its umount(8).  The waiting mount itself still ends through
     Slates or a user's umount(8).  Once callers have sent DEMAND_READS READs (a grep
     or a build reading its way through the tree), every other listed file is read
     ahead too."""

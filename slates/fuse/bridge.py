@@ -55,8 +55,9 @@ walk from the root, up to 131,072 entries: $SLATES_BRIDGE_WALK_ENTRIES,
 walk_entries()), so the kernel learns their entries
 from READDIRPLUS instead of a LOOKUP per name, and keeps their listings;
 $SLATES_BRIDGE_PREFETCH=0 turns it off (prefetch_wanted()).  The children
-walk in a mount namespace of their own, so what they hold open never makes
-a user's umount(8) of the mountpoint fail as busy.  Once the
+walk beneath a detached clone of the mount (open_tree), so what they hold
+open never makes a user's umount(8) of the mountpoint fail as busy, and no
+other mount is held by them.  Once the
 listings are done, the walk reads the listed directories' regular files of
 up to 256 KiB through the mount (at most 64 MiB a mount; not the root's
 .git), so a first grep or build finds their pages cached;
