@@ -175,7 +175,7 @@ int link_take_behind(uint64_t seq, int status, const msgpack_object *result)
     return 1;
 }
 
-int behind_try(uint64_t ino, uint64_t off, const char *buf, size_t size)
+int behind_try(uint64_t ino, uint64_t off, const char *buf, size_t size, int64_t kill_gid)
 {
     uint64_t cost = size + g_wb.scatter; /* slates.node.grants.cost */
     if (g_wb.left == 0 || g_wb.ino != ino || (g_wb.end != off && g_wb.scatter == 0) ||
@@ -186,7 +186,7 @@ int behind_try(uint64_t ino, uint64_t off, const char *buf, size_t size)
         return 0;
     if (g_wb.left == 0) /* the oldest write's reply failed: no more early answers */
         return 0;
-    enc_write_granted(ino, off, buf, size);
+    enc_write_granted(ino, off, buf, size, kill_gid);
     uint32_t len = (uint32_t)(g_bridge.sbuf.size + g_bridge.tail_len);
     if (link_push_current() != 0) {
         behind_end_grant();

@@ -2,11 +2,12 @@
  * What the bridge answers without asking the shard: xattr names known to be
  * absent, per inode.
  *
- * The kernel and common tools probe a few xattr names constantly: every
- * write(2) makes the kernel ask for "security.capability" (FUSE inodes never
- * get S_NOSEC; the shard does not clear set-id bits itself, so the bridge
- * must not claim FUSE_CAP_HANDLE_KILLPRIV and the kernel keeps asking), and
- * `ls -l` asks for ACLs and SELinux labels.  A volume can hold security.*
+ * The kernel and common tools probe a few xattr names constantly: the first
+ * write(2) to a file after its attributes were fetched makes the kernel ask
+ * for "security.capability" (once per file, not per write: the INIT reply
+ * claims FUSE_HANDLE_KILLPRIV_V2, bridge_session.c, so the kernel marks an
+ * inode with nothing to drop S_NOSEC), and `ls -l` asks for ACLs and SELinux
+ * labels.  A volume can hold security.*
  * names (a client may set them; only the POSIX ACL names are refused,
  * slates/core/volume.py), so the bridge never assumes absence: it knows it
  * from the shard, per inode, in three ways:

@@ -153,7 +153,11 @@ BRIDGE_INTERNAL void envelope_begin(const char *op);
 BRIDGE_INTERNAL void enc_lookup(uint64_t parent, const char *name);
 BRIDGE_INTERNAL void enc_forget(const struct fuse_forget_data *items, size_t n);
 BRIDGE_INTERNAL void enc_ino(const char *op, uint64_t ino);
-BRIDGE_INTERNAL void enc_setattr(uint64_t ino, const struct stat *attr, int to_set);
+/* `kill_gid`: -1, or the kernel asked for the file's set-ID bits to be killed
+ * (request_kills_setid: the caller lacks CAP_FSETID, or a chown) and this is
+ * the caller's group (slates/node/fsops.py: a set-group-ID bit without group
+ * execute goes only for a caller outside the file's group). */
+BRIDGE_INTERNAL void enc_setattr(uint64_t ino, const struct stat *attr, int to_set, int64_t kill_gid);
 BRIDGE_INTERNAL void enc_mknod(uint64_t parent, const char *name, uint32_t mode, uint64_t rdev,
                                uint32_t uid, uint32_t gid);
 BRIDGE_INTERNAL void enc_mkdir(uint64_t parent, const char *name, uint32_t mode, uint32_t uid,
@@ -168,12 +172,15 @@ BRIDGE_INTERNAL void enc_link(uint64_t ino, uint64_t new_parent, const char *new
 BRIDGE_INTERNAL void enc_create(uint64_t parent, const char *name, uint32_t mode, uint32_t uid,
                                 uint32_t gid, int exclusive, int asking);
 BRIDGE_INTERNAL void enc_read(uint64_t ino, uint64_t offset, uint64_t size);
-BRIDGE_INTERNAL void enc_write(uint64_t ino, uint64_t offset, const void *data, size_t len);
+/* fs.write; `kill_gid` as enc_setattr's. */
+BRIDGE_INTERNAL void enc_write(uint64_t ino, uint64_t offset, const void *data, size_t len,
+                               int64_t kill_gid);
 /* fs.write asking for a grant ("behind": bridge_behind.c), and one sent under it
  * ("granted", no attrs). */
-BRIDGE_INTERNAL void enc_write_asking(uint64_t ino, uint64_t offset, const void *data, size_t len);
+BRIDGE_INTERNAL void enc_write_asking(uint64_t ino, uint64_t offset, const void *data, size_t len,
+                                      int64_t kill_gid);
 BRIDGE_INTERNAL void enc_write_granted(uint64_t ino, uint64_t offset, const void *data,
-                                       size_t len);
+                                       size_t len, int64_t kill_gid);
 /* Mutations' encoders ask for the ATTRs they produce ("attrs": true,
  * slates/node/fsops.py; bridge_attr.c keeps them). */
 BRIDGE_INTERNAL void enc_statfs(void);
@@ -181,10 +188,11 @@ BRIDGE_INTERNAL void enc_readdir(uint64_t ino, uint64_t offset, int plus, uint64
 BRIDGE_INTERNAL void enc_setxattr(uint64_t ino, const char *name, const void *value, size_t size,
                                   int flags);
 BRIDGE_INTERNAL void enc_ino_name(const char *op, uint64_t ino, const char *name);
-BRIDGE_INTERNAL void enc_fallocate(uint64_t ino, int mode, uint64_t offset, uint64_t length);
+BRIDGE_INTERNAL void enc_fallocate(uint64_t ino, int mode, uint64_t offset, uint64_t length,
+                                   int64_t kill_gid);
 BRIDGE_INTERNAL void enc_lseek(uint64_t ino, uint64_t offset, int whence);
 BRIDGE_INTERNAL void enc_copy_file_range(uint64_t ino_in, uint64_t off_in, uint64_t ino_out,
-                                         uint64_t off_out, uint64_t length);
+                                         uint64_t off_out, uint64_t length, int64_t kill_gid);
 BRIDGE_INTERNAL void enc_access(uint64_t ino, int mask);
 BRIDGE_INTERNAL void enc_destroy(void);
 /* fs.lookup binding a node the bridge answered itself (bridge_meta.c). */
@@ -260,7 +268,8 @@ BRIDGE_INTERNAL void behind_end_grant(void);
 BRIDGE_INTERNAL void behind_granted(uint64_t ino, uint64_t end, const msgpack_object *result);
 /* Send this write under the grant and answer it early: 1 when sent (answer
  * the kernel now), 0 when it must go the usual way. */
-BRIDGE_INTERNAL int behind_try(uint64_t ino, uint64_t off, const char *buf, size_t size);
+BRIDGE_INTERNAL int behind_try(uint64_t ino, uint64_t off, const char *buf, size_t size,
+                               int64_t kill_gid);
 /* The latched error of a write answered early to `ino` (0: none), cleared. */
 BRIDGE_INTERNAL int behind_take_error(uint64_t ino);
 /* The reply wait's hook: 1 when `seq` is the oldest early-answered write's
@@ -457,6 +466,16 @@ BRIDGE_INTERNAL uint64_t init_seen(const void *buf, ssize_t n);
 /* When the reply in iov is INIT's: *out is it, with the flags libfuse leaves
  * out added (FUSE_PARALLEL_DIROPS), and 1; else 0. */
 BRIDGE_INTERNAL int init_patch(const struct iovec *iov, int count, struct fuse_init_out *out);
+/* A request read from the kernel, before libfuse takes it (which drops the
+ * flags below): notes whether it is a WRITE or SETATTR that asks for set-ID
+ * bits to be killed (FUSE_WRITE_KILL_SUIDGID, FATTR_KILL_SUIDGID). */
+BRIDGE_INTERNAL void request_seen(const void *buf, size_t n);
+/* Whether the request this thread is serving asked that (request_seen). */
+BRIDGE_INTERNAL int request_kills_setid(void);
+/* Whether process `pid` (a request's caller) lacks CAP_FSETID, so a change of
+ * a file's content kills its set-ID bits; 1 when that cannot be read.  For
+ * the requests whose kill the kernel does not flag (FALLOCATE, COPY_FILE_RANGE). */
+BRIDGE_INTERNAL int caller_lacks_fsetid(uint32_t pid);
 
 /* -- bridge_watch.c ----------------------------------------------------------- */
 

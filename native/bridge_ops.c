@@ -191,8 +191,9 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
      * kernel would trust OPEN with O_TRUNC and the truncation would be lost.
      * Off, the kernel sends O_TRUNC as a SETATTR of size 0. */
     conn->want &= ~(unsigned)FUSE_CAP_ATOMIC_O_TRUNC;
-    /* The shard does not clear set-id bits on write or chown: the kernel
-     * must (it then probes security.capability, bridge_cache.c). */
+    /* Not the first version, in which the server kills set-ID bits on every
+     * write whoever writes: the INIT reply claims FUSE_HANDLE_KILLPRIV_V2
+     * instead, whose requests say when (bridge_session.c's request_seen). */
     conn->want &= ~(unsigned)FUSE_CAP_HANDLE_KILLPRIV;
     conn->max_write = BRIDGE_MAX_IO;
     conn->max_read = BRIDGE_MAX_IO;
@@ -330,6 +331,12 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     reply_attr(req, 0);
 }
 
+/* What a request that may kill set-ID bits says of it (enc_setattr's kill_gid). */
+static int64_t kill_gid(fuse_req_t req, int kill)
+{
+    return kill ? (int64_t)fuse_req_ctx(req)->gid : -1;
+}
+
 static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set,
                        struct fuse_file_info *fi)
 {
@@ -339,7 +346,7 @@ static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to
     meta_taint(ino);
     clean_drop(ino); /* a truncation changes the content; the reply teaches again */
     attr_drop(ino);
-    enc_setattr(ino, attr, to_set);
+    enc_setattr(ino, attr, to_set, kill_gid(req, request_kills_setid()));
     reply_attr(req, 1);
 }
 
@@ -590,7 +597,8 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
         fuse_reply_err(req, failed);
         return;
     }
-    if (behind_try(ino, (uint64_t)off, buf, size)) {
+    int64_t kill = kill_gid(req, request_kills_setid());
+    if (behind_try(ino, (uint64_t)off, buf, size, kill)) {
         fuse_reply_write(req, size); /* the shard promised it (bridge_behind.c) */
         return;
     }
@@ -604,9 +612,9 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
         size_t n = size - done > chunk ? chunk : size - done;
         uint64_t attr_ep = attr_epoch();
         if (asking)
-            enc_write_asking(ino, (uint64_t)off + done, buf + done, n);
+            enc_write_asking(ino, (uint64_t)off + done, buf + done, n, kill);
         else
-            enc_write(ino, (uint64_t)off + done, buf + done, n);
+            enc_write(ino, (uint64_t)off + done, buf + done, n, kill);
         err = link_call(&res);
         if (err == 0 && (!result_count(res, "written", &written) || written < 0 ||
                          (uint64_t)written > n))
@@ -917,7 +925,8 @@ static void op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset,
     meta_taint(ino);
     clean_drop(ino);
     attr_drop(ino);
-    enc_fallocate(ino, mode, (uint64_t)offset, (uint64_t)length);
+    enc_fallocate(ino, mode, (uint64_t)offset, (uint64_t)length,
+                  kill_gid(req, caller_lacks_fsetid(fuse_req_ctx(req)->pid)));
     answer_keeping_attrs(req, FILE_ATTR);
 }
 
@@ -968,7 +977,8 @@ static void op_copy_file_range(fuse_req_t req, fuse_ino_t ino_in, off_t off_in,
     clean_drop(ino_out);
     attr_drop(ino_out);
     uint64_t attr_ep = attr_epoch();
-    enc_copy_file_range(ino_in, (uint64_t)off_in, ino_out, (uint64_t)off_out, len);
+    enc_copy_file_range(ino_in, (uint64_t)off_in, ino_out, (uint64_t)off_out, len,
+                        kill_gid(req, caller_lacks_fsetid(fuse_req_ctx(req)->pid)));
     int rc = link_call(&res);
     if (rc == 0 && (!result_count(res, "copied", &copied) || copied < 0))
         rc = EIO;

@@ -18,6 +18,17 @@
  * transport is libfuse's own read and writev over the same fd, but for the
  * INIT reply, which gains FUSE_PARALLEL_DIROPS when the kernel offered it
  * (init_seen, init_patch; bridge_uring.c's transport uses the same two).
+ *
+ * It gains FUSE_HANDLE_KILLPRIV_V2 too (libfuse 3.14 has no name for it):
+ * without it the kernel asks for "security.capability" before every write(2)
+ * (FUSE clears SB_NOSEC), a GETXATTR round trip per write: 1,097 in a lua
+ * build of 3,500 requests.  With it the kernel asks once per file and leaves
+ * dropping capabilities and set-ID bits to the server (slates/node/fsops.py,
+ * _drop_privileges), flagging a WRITE or SETATTR whose caller lacks
+ * CAP_FSETID (and every chown) in fields libfuse drops: request_seen reads
+ * them from the raw request first, for the loop thread that serves it.
+ * FALLOCATE and COPY_FILE_RANGE are not flagged, so for those the bridge
+ * reads the caller's CapEff (caller_lacks_fsetid).
  * The fd is O_NONBLOCK: a loop thread waiting for a request may spin a
  * little first (spin_read, bridge_spin.c), then polls.
  *
@@ -81,8 +92,46 @@ int init_patch(const struct iovec *iov, int count, struct fuse_init_out *out)
         return 0;
     }
     memcpy(out, iov[1].iov_base, iov[1].iov_len);
-    out->flags |= (uint32_t)(g_init.offered & FUSE_PARALLEL_DIROPS);
+    out->flags |= (uint32_t)(g_init.offered & (FUSE_PARALLEL_DIROPS | FUSE_HANDLE_KILLPRIV_V2));
     return 1;
+}
+
+/* Whether the request this thread serves asked for set-ID bits to be killed. */
+static __thread int t_kill_setid;
+
+void request_seen(const void *buf, size_t n)
+{
+    const struct fuse_in_header *ih = buf;
+    t_kill_setid = 0;
+    if (n < sizeof *ih)
+        return;
+    if (ih->opcode == FUSE_WRITE && n >= sizeof *ih + sizeof(struct fuse_write_in)) {
+        const struct fuse_write_in *in = (const void *)(ih + 1);
+        t_kill_setid = (in->write_flags & FUSE_WRITE_KILL_SUIDGID) != 0;
+    } else if (ih->opcode == FUSE_SETATTR && n >= sizeof *ih + sizeof(struct fuse_setattr_in)) {
+        const struct fuse_setattr_in *in = (const void *)(ih + 1);
+        t_kill_setid = (in->valid & FATTR_KILL_SUIDGID) != 0;
+    }
+}
+
+int request_kills_setid(void) { return t_kill_setid; }
+
+int caller_lacks_fsetid(uint32_t pid)
+{
+    char path[48], text[4096];
+    snprintf(path, sizeof path, "/proc/%u/status", (unsigned)pid);
+    int fd = pid != 0 ? open(path, O_RDONLY | O_CLOEXEC) : -1;
+    ssize_t n = fd >= 0 ? read(fd, text, sizeof text - 1) : -1;
+    if (fd >= 0)
+        close(fd);
+    if (n <= 0)
+        return 1;
+    text[n] = '\0';
+    const char *at = strstr(text, "\nCapEff:\t");
+    if (at == NULL)
+        return 1;
+    unsigned long long caps = strtoull(at + 9, NULL, 16);
+    return !(caps & (1ull << 4)); /* CAP_FSETID */
 }
 
 /* Each loop thread's wait for the kernel's next request (bridge_spin.c). */
@@ -94,6 +143,7 @@ static ssize_t plain_read(int fd, void *buf, size_t len, void *userdata)
     t_request_spin.budget_ns = g_bridge.spin_ns;
     ssize_t n = spin_read(fd, buf, len, &t_request_spin);
     (void)init_seen(buf, n);
+    request_seen(buf, n > 0 ? (size_t)n : 0);
     return n;
 }
 

@@ -315,6 +315,7 @@ static void serve_ent(struct uring_queue *q, struct uring_ent *e)
         memcpy(q->inbuf + sizeof ih, h->op_in, op_len);
         memcpy(q->inbuf + sizeof ih + op_len, e->payload, payload);
         struct fuse_buf fbuf = {.size = ih.len, .mem = q->inbuf};
+        request_seen(q->inbuf, ih.len);
         fuse_session_process_buf(g_bridge.se, &fbuf);
         link_release(); /* the request is answered: the next one may use the link */
     } else {

@@ -267,10 +267,10 @@ void enc_ino(const char *op, uint64_t ino)
     kv_u64("ino", ino);
 }
 
-void enc_setattr(uint64_t ino, const struct stat *attr, int to_set)
+void enc_setattr(uint64_t ino, const struct stat *attr, int to_set, int64_t kill_gid)
 {
     int64_t now = (int64_t)now_ns(CLOCK_REALTIME);
-    uint32_t n = 1;
+    uint32_t n = 1 + (kill_gid >= 0);
     n += !!(to_set & FUSE_SET_ATTR_MODE);
     n += !!(to_set & FUSE_SET_ATTR_UID);
     n += !!(to_set & FUSE_SET_ATTR_GID);
@@ -279,6 +279,8 @@ void enc_setattr(uint64_t ino, const struct stat *attr, int to_set)
     n += !!(to_set & (FUSE_SET_ATTR_MTIME | FUSE_SET_ATTR_MTIME_NOW));
     req_begin("fs.setattr", n);
     kv_u64("ino", ino);
+    if (kill_gid >= 0)
+        kv_u64("kill", (uint64_t)kill_gid);
     if (to_set & FUSE_SET_ATTR_MODE)
         kv_u64("mode", attr->st_mode & 07777);
     if (to_set & FUSE_SET_ATTR_UID)
@@ -388,33 +390,39 @@ void enc_read(uint64_t ino, uint64_t offset, uint64_t size)
 
 /* Split: the data is the raw tail (args.data), copied once, into the ring. */
 /* fs.write: "attrs" asks for the file's ATTR, "behind" for a grant, "granted"
- * says it goes under one (bridge_behind.c). */
+ * says it goes under one (bridge_behind.c), "kill" (the caller's group) that
+ * set-ID bits go. */
 static void write_request(uint64_t ino, uint64_t offset, const void *data, size_t len,
-                          const char *flag, const char *flag2)
+                          const char *flag, const char *flag2, int64_t kill_gid)
 {
-    req_start("fs.write", 2 + (flag != NULL) + (flag2 != NULL), 1);
+    req_start("fs.write", 2 + (flag != NULL) + (flag2 != NULL) + (kill_gid >= 0), 1);
     if (flag != NULL)
         kv_bool(flag, 1);
     if (flag2 != NULL)
         kv_bool(flag2, 1);
+    if (kill_gid >= 0)
+        kv_u64("kill", (uint64_t)kill_gid);
     kv_u64("ino", ino);
     kv_u64("offset", offset);
     split_end(data, len);
 }
 
-void enc_write(uint64_t ino, uint64_t offset, const void *data, size_t len)
+void enc_write(uint64_t ino, uint64_t offset, const void *data, size_t len,
+               int64_t kill_gid)
 {
-    write_request(ino, offset, data, len, "attrs", NULL);
+    write_request(ino, offset, data, len, "attrs", NULL, kill_gid);
 }
 
-void enc_write_asking(uint64_t ino, uint64_t offset, const void *data, size_t len)
+void enc_write_asking(uint64_t ino, uint64_t offset, const void *data, size_t len,
+                      int64_t kill_gid)
 {
-    write_request(ino, offset, data, len, "attrs", "behind");
+    write_request(ino, offset, data, len, "attrs", "behind", kill_gid);
 }
 
-void enc_write_granted(uint64_t ino, uint64_t offset, const void *data, size_t len)
+void enc_write_granted(uint64_t ino, uint64_t offset, const void *data, size_t len,
+                       int64_t kill_gid)
 {
-    write_request(ino, offset, data, len, "granted", NULL);
+    write_request(ino, offset, data, len, "granted", NULL, kill_gid);
 }
 
 void enc_statfs(void) { req_begin("fs.statfs", 0); }
@@ -464,10 +472,13 @@ void enc_ino_name(const char *op, uint64_t ino, const char *name)
     kv_name("name", name);
 }
 
-void enc_fallocate(uint64_t ino, int mode, uint64_t offset, uint64_t length)
+void enc_fallocate(uint64_t ino, int mode, uint64_t offset, uint64_t length,
+                   int64_t kill_gid)
 {
-    req_begin("fs.fallocate", 5);
+    req_begin("fs.fallocate", 5 + (kill_gid >= 0));
     kv_bool("attrs", 1);
+    if (kill_gid >= 0)
+        kv_u64("kill", (uint64_t)kill_gid);
     kv_u64("ino", ino);
     kv_u64("mode", (uint64_t)(unsigned)mode);
     kv_u64("offset", offset);
@@ -483,10 +494,12 @@ void enc_lseek(uint64_t ino, uint64_t offset, int whence)
 }
 
 void enc_copy_file_range(uint64_t ino_in, uint64_t off_in, uint64_t ino_out,
-                                uint64_t off_out, uint64_t length)
+                                uint64_t off_out, uint64_t length, int64_t kill_gid)
 {
-    req_begin("fs.copy_file_range", 6);
+    req_begin("fs.copy_file_range", 6 + (kill_gid >= 0));
     kv_bool("attrs", 1);
+    if (kill_gid >= 0)
+        kv_u64("kill", (uint64_t)kill_gid);
     kv_u64("ino_in", ino_in);
     kv_u64("off_in", off_in);
     kv_u64("ino_out", ino_out);
@@ -693,7 +706,8 @@ static int test_encode(int which, uint8_t *out, uint32_t cap, char *op_out, uint
         enc_setattr(5, &st,
                     FUSE_SET_ATTR_MODE | FUSE_SET_ATTR_UID | FUSE_SET_ATTR_GID |
                         FUSE_SET_ATTR_SIZE | FUSE_SET_ATTR_ATIME | FUSE_SET_ATTR_MTIME |
-                        FUSE_SET_ATTR_MTIME_NOW);
+                        FUSE_SET_ATTR_MTIME_NOW,
+                    -1);
         break;
     case 5: enc_ino("fs.readlink", 9); break;
     case 6: enc_mknod(1, "fifo", S_IFIFO | 0644, 0, 1, 2); break;
@@ -705,7 +719,7 @@ static int test_encode(int which, uint8_t *out, uint32_t cap, char *op_out, uint
     case 12: enc_link(5, 2, "h"); break;
     case 13: enc_create(1, "c", S_IFREG | 0600, 1, 2, 1, 0); break;
     case 14: enc_read(5, 4096, 65536); break;
-    case 15: enc_write(5, 10, DATA, sizeof DATA - 1); break;
+    case 15: enc_write(5, 10, DATA, sizeof DATA - 1, -1); break;
     case 16: enc_ino("fs.fsync", 5); break;
     case 17: enc_statfs(); break;
     case 18: enc_readdir(1, 0, 1, 4096); break;
@@ -713,12 +727,14 @@ static int test_encode(int which, uint8_t *out, uint32_t cap, char *op_out, uint
     case 20: enc_ino_name("fs.getxattr", 5, "user.k"); break;
     case 21: enc_ino("fs.listxattr", 5); break;
     case 22: enc_ino_name("fs.removexattr", 5, "user.k"); break;
-    case 23: enc_fallocate(5, 1, 0, 8192); break;
+    case 23: enc_fallocate(5, 1, 0, 8192, -1); break;
     case 24: enc_lseek(5, 100, 3); break;
-    case 25: enc_copy_file_range(5, 0, 6, 4096, 1ull << 30); break;
+    case 25: enc_copy_file_range(5, 0, 6, 4096, 1ull << 30, -1); break;
     case 26: enc_access(5, 4); break;
     case 27: enc_create(1, "c", S_IFREG | 0644, 1, 2, 0, 0); break;
     case 28: enc_create(1, "c", S_IFREG | 0600, 1, 2, 1, 1); break;
+    case 29: enc_write_granted(5, 10, DATA, sizeof DATA - 1, 1001); break;
+    case 30: enc_setattr(5, &st, FUSE_SET_ATTR_UID | FUSE_SET_ATTR_SIZE, 0); break;
     default: return -ENOENT;
     }
     size_t size = g_bridge.sbuf.size + g_bridge.tail_len;

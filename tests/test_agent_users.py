@@ -290,6 +290,49 @@ STEPS: list[tuple[tuple[int, int], str, str, object]] = [
     (BOB, "unlink", "link", None),
     (ALICE, "link", "sticky/af", "hard"),
     (BOB, "link", "private", "stolen"),
+    # What a change of content or owner takes from a file (the server's part under
+    # FUSE_HANDLE_KILLPRIV_V2): set-ID bits when the caller lacks CAP_FSETID (the
+    # set-group-ID bit only of a group-executable file), and on every chown; the
+    # capability xattr always.
+    (ALICE, "create", "src", 0o644),
+    (ALICE, "write", "src", None),
+    *[
+        step
+        for name, mode in (
+            ("kept", 0o6777),
+            ("written", 0o6777),
+            ("cut", 0o6777),
+            ("grown", 0o6777),
+            ("copied", 0o6777),
+            ("rootcopy", 0o6777),
+            ("sgnox", 0o2666),
+            ("sgmember", 0o2666),
+            ("owned", 0o6755),
+        )
+        for step in ((ALICE, "create", name, 0o644), (ALICE, "chmod", name, mode))
+    ],
+    (ROOT, "write", "kept", None),
+    (BOB, "write", "written", None),
+    (BOB, "truncate", "cut", None),
+    (BOB, "fallocate", "grown", None),
+    (BOB, "copy", "copied", "src"),
+    (ROOT, "copy", "rootcopy", "src"),
+    (BOB, "write", "sgnox", None),  # not in the file's group: it goes
+    (ALICE, "write", "sgmember", None),  # in it: it stays
+    (ROOT, "chown", "owned", (BOB[0], BOB[1])),
+    (ROOT, "chown", "setgid", (-1, AGENTS)),
+    *[
+        step
+        for name in ("capped", "capowned", "capcut", "capkept")
+        for step in (
+            (ALICE, "create", name, 0o644),
+            (ALICE, "chmod", name, 0o666),
+            (ROOT, "setcap", name, None),
+        )
+    ],
+    (ROOT, "write", "capped", None),
+    (ROOT, "chown", "capowned", (ALICE[0], AGENTS)),
+    (BOB, "truncate", "capcut", None),
 ]
 
 STEP = r"""
@@ -312,6 +355,13 @@ try:
     elif op == "list": os.listdir(path)
     elif op == "symlink": os.symlink(arg, path)
     elif op == "link": os.link(path, arg)
+    elif op == "fallocate":
+        fd = os.open(path, os.O_WRONLY); os.posix_fallocate(fd, 0, 8192); os.close(fd)
+    elif op == "copy":
+        src, dst = os.open(arg, os.O_RDONLY), os.open(path, os.O_WRONLY)
+        os.copy_file_range(src, dst, 4, 0, 0); os.close(src); os.close(dst)
+    elif op == "setcap":  # cap_net_raw, effective (a VFS_CAP_REVISION_2 value)
+        os.setxattr(path, "security.capability", bytes.fromhex("0100000200200000" + "00" * 12))
     print("ok")
 except OSError as exc:
     print(errno.errorcode[exc.errno])
@@ -339,7 +389,11 @@ def _run_steps(top: Path) -> list[str]:
         outcomes.append(f"{user[0]} {op} {path}: {result.stdout.strip()}")
     for entry in sorted(top.rglob("*")):
         st = os.lstat(entry)
-        outcomes.append(f"{entry.relative_to(top)} {st.st_uid} {st.st_gid} {st.st_mode:o}")
+        capped = not entry.is_symlink() and "security.capability" in os.listxattr(entry)
+        outcomes.append(
+            f"{entry.relative_to(top)} {st.st_uid} {st.st_gid} {st.st_mode:o}"
+            + (" capability" if capped else "")
+        )
     return outcomes
 
 
@@ -367,4 +421,9 @@ def test_permissions_through_a_mount_match_tmpfs(fleet: dict[str, object]) -> No
     denials = [line for line in expected if line.endswith(("EACCES", "EPERM"))]
     assert len(denials) >= 15, expected  # the steps test something: many are refused
     assert any(line.endswith(": ok") and line.startswith(str(BOB[0])) for line in expected)
+    final = {line.split()[0]: line.split()[3:] for line in expected if ": " not in line}
+    assert final["kept"] == ["106777"] and final["written"] == ["100777"]  # the steps bite
+    assert final["sgnox"] == ["100666"] and final["sgmember"] == ["102666"]
+    assert final["capkept"] == ["100666", "capability"]
+    assert final["capped"] == ["100666"]
     assert seen == expected

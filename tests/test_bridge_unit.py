@@ -172,6 +172,13 @@ EXPECTED: list[tuple[str, dict[str, Any]]] = [
         | ATTRS
         | {"behind": True},
     ),
+    # The kernel asked that set-ID bits go (FUSE_HANDLE_KILLPRIV_V2: the writer lacks
+    # CAP_FSETID, or a chown): "kill" is the caller's group.
+    (
+        "fs.write",
+        {"ino": 5, "offset": 10, "data": b"hello\x00world", "granted": True, "kill": 1001},
+    ),
+    ("fs.setattr", {"ino": 5, "kill": 0, "uid": 1000, "size": 4096}),
 ]
 
 

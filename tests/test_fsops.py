@@ -329,3 +329,77 @@ def test_without_the_flag_mutations_answer_as_before() -> None:
     assert fs(volume, "unlink", parent=ROOT_INO, name="g") == {}
     reply = fs(volume, "write", ino=ino, offset=0, data=b"abcd", attrs=True)
     assert reply == {"written": 4, "attr": _plain(fs(volume, "getattr", ino=ino))}
+
+
+CAPABILITY = bytes.fromhex("0100000200200000" + "00" * 12)
+OWNER_GROUP, OTHER_GROUP = 100, 200
+
+# (request, its kill, the file's mode before) -> the mode after; the file's group is
+# OWNER_GROUP.  A kill is the caller's group: the kernel sends one when the caller
+# lacks CAP_FSETID (writes, truncates, fallocates, copies) and on every chown.
+KILLS = [
+    ("write", None, 0o6777, 0o6777),  # a caller with CAP_FSETID keeps them
+    ("write", OTHER_GROUP, 0o6777, 0o0777),
+    ("write", OWNER_GROUP, 0o6777, 0o0777),  # group-executable: setgid goes anyway
+    ("write", OWNER_GROUP, 0o2666, 0o2666),  # not executable, caller in the group
+    ("write", OTHER_GROUP, 0o2666, 0o0666),  # ... outside it
+    ("truncate", OTHER_GROUP, 0o4755, 0o0755),
+    ("truncate", None, 0o4755, 0o4755),
+    ("fallocate", OTHER_GROUP, 0o6777, 0o0777),
+    ("copy", OTHER_GROUP, 0o6777, 0o0777),
+    ("chown", OWNER_GROUP, 0o6755, 0o0755),
+    ("chown", OTHER_GROUP, 0o2644, 0o2644),  # a chown takes setgid only when executable
+]
+
+
+def _change(volume: Volume, ino: int, request: str, kill: int | None) -> None:
+    extra = {} if kill is None else {"kill": kill}
+    match request:
+        case "write":
+            fs(volume, "write", ino=ino, offset=1, data=b"y", **extra)
+        case "truncate":
+            fs(volume, "setattr", ino=ino, size=0, **extra)
+        case "fallocate":
+            fs(volume, "fallocate", ino=ino, mode=0, offset=0, length=8192, **extra)
+        case "copy":
+            source = make(volume, "source", b"copied")
+            fs(
+                volume,
+                "copy_file_range",
+                ino_in=source,
+                off_in=0,
+                ino_out=ino,
+                off_out=0,
+                length=6,
+                **extra,
+            )
+        case "chown":
+            fs(volume, "setattr", ino=ino, uid=7, **extra)
+
+
+@pytest.mark.parametrize(("request_", "kill", "before", "after"), KILLS)
+def test_a_change_through_a_mount_takes_capabilities_and_set_id_bits_as_linux_does(
+    request_: str, kill: int | None, before: int, after: int
+) -> None:
+    """The bridge claims FUSE_HANDLE_KILLPRIV_V2: these are the shard's to drop."""
+    volume = Volume.new(Host())
+    ino = make(volume, "tool", b"x")
+    fs(volume, "setattr", ino=ino, mode=before, gid=OWNER_GROUP)
+    volume.setxattr(ino, "security.capability", CAPABILITY)
+    _change(volume, ino, request_, kill)
+    assert stat.S_IMODE(volume.getattr(ino).mode) == after
+    assert volume.listxattr(ino) == []  # whoever the caller: always
+    check_invariants(volume)
+
+
+def test_a_directory_keeps_its_bits_and_an_unasked_request_its_capability() -> None:
+    volume = Volume.new(Host())
+    attr = fs(volume, "mkdir", parent=ROOT_INO, name="d", mode=0o2775, uid=0, gid=0)
+    assert isinstance(attr, dict)
+    fs(volume, "setattr", ino=int(attr["ino"]), uid=7, kill=OTHER_GROUP)
+    assert stat.S_IMODE(volume.getattr(int(attr["ino"])).mode) == 0o2775
+    ino = make(volume, "tool", b"x")
+    volume.setxattr(ino, "security.capability", CAPABILITY)
+    fs(volume, "setattr", ino=ino, mode=0o755)  # a chmod changes no content, no owner
+    fs(volume, "read", ino=ino, offset=0, size=1)
+    assert volume.listxattr(ino) == ["security.capability"]

@@ -308,6 +308,8 @@ def test_a_shard_restart_is_a_pause_not_an_error(service: Service, tmp_path: Pat
 # -- differential: the same random POSIX calls on a mount and on tmpfs --------------
 
 NAMES = st.sampled_from(["a", "b", "c", "d/e", "d/f"])
+# cap_net_raw, effective: a VFS_CAP_REVISION_2 value (the kernel checks its form)
+CAPABILITY = bytes.fromhex("0100000200200000" + "00" * 12)
 OPS = st.one_of(
     st.tuples(st.just("write"), NAMES, st.integers(0, 9000), st.binary(max_size=5000)),
     st.tuples(st.just("rewrite"), NAMES, st.binary(max_size=9000)),
@@ -318,7 +320,11 @@ OPS = st.one_of(
     st.tuples(st.just("mkdir"), st.sampled_from(["d", "g", "d/h"])),
     st.tuples(st.just("rmdir"), st.sampled_from(["d", "g", "d/h"])),
     st.tuples(st.just("symlink"), st.sampled_from(["target", "a", "e"]), NAMES),  # stays inside
-    st.tuples(st.just("chmod"), NAMES, st.sampled_from([0o600, 0o644, 0o755])),
+    st.tuples(
+        st.just("chmod"), NAMES, st.sampled_from([0o600, 0o644, 0o755, 0o4755, 0o6775, 0o2644])
+    ),
+    st.tuples(st.just("chown"), NAMES, st.sampled_from([0, 1000])),  # takes set-ID bits
+    st.tuples(st.just("setcap"), NAMES),  # a write, truncate or chown takes it
     st.tuples(st.just("utime"), NAMES, st.integers(0, 10**9)),  # before 2001: set by utime
     st.tuples(st.just("open"), NAMES),
     st.tuples(st.just("pwrite"), st.integers(0, 3), st.integers(0, 5000), st.binary(max_size=300)),
@@ -373,6 +379,12 @@ def _apply(root: Path, op: tuple[object, ...], fds: list[int]) -> object:
             case ("chmod", str(name), int(mode)):
                 os.chmod(root / name, mode)
                 return None
+            case ("chown", str(name), int(owner)):
+                os.chown(root / name, owner, owner)
+                return None
+            case ("setcap", str(name)):
+                os.setxattr(root / name, "security.capability", CAPABILITY)
+                return None
             case ("utime", str(name), int(when)):
                 os.utime(root / name, ns=(when * 10**9, when * 10**9), follow_symlinks=False)
                 return None
@@ -411,6 +423,8 @@ def _observe(root: Path, times: bool = True) -> dict[str, tuple[object, ...]]:
                 out[rel] = (
                     "file",
                     st.st_mode,
+                    st.st_uid,
+                    "security.capability" in os.listxattr(path),
                     st.st_size,
                     st.st_nlink,
                     st.st_mtime_ns if times and st.st_mtime_ns < 10**18 else None,
@@ -445,6 +459,8 @@ def differential(
 @example(ops=[("open", "a"), ("utime", "a", 0), ("truncate", "a", 0)])  # found by CI
 @example(ops=[("write", "a", 0, b"x"), ("utime", "a", 0), ("truncate", "a", 1)])
 @example(ops=[("open", "a"), ("utime", "a", 0), ("ftruncate", 0, 0)])
+@example(ops=[("write", "a", 0, b"x"), ("chmod", "a", 0o6775), ("chown", "a", 1000)])
+@example(ops=[("open", "a"), ("setcap", "a"), ("pwrite", 0, 1, b"y"), ("chmod", "a", 0o4755)])
 def test_mount_matches_tmpfs(
     differential: tuple[Client, str, Path, bool], ops: list[tuple[object, ...]]
 ) -> None:

@@ -77,6 +77,7 @@ MAX_READ = 1 << 20  # the bridge's max_read; a reply then fits one ring message
 # A directory with more bound entries than this gets no clean mark (the list would
 # make every ATTR of it large); the shard answers its names as before.
 MAX_MARK_BOUND = 4096
+CAPABILITY_XATTR = "security.capability"
 
 
 def attr_map(attr: Attr) -> dict[str, int]:
@@ -242,6 +243,7 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
                 raise InvalidArgument("data must be bytes")
             ino = _int(args, "ino")
             written = volume.write(ino, _int(args, "offset"), data, time_ns=now)
+            _drop_privileges(volume, ino, _opt(args, "kill"), now)
             return _with_file_attr(volume, args, "written", written, ino)
         case "fs.read":
             size = min(_int(args, "size"), MAX_READ)
@@ -347,6 +349,7 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
             return {}
         case "fs.fallocate":
             _fallocate(volume, args, now)
+            _drop_privileges(volume, _int(args, "ino"), _opt(args, "kill"), now)
             return _attrs_of(volume, args, attr=_int(args, "ino"))
         case "fs.lseek":
             return volume.seek(_int(args, "ino"), _int(args, "offset"), _seek_whence(args))
@@ -359,6 +362,7 @@ def run_fs_op(volume: Volume, op: str, args: dict[str, Any], now: int) -> Any:
                 _int(args, "length"),
                 time_ns=now,
             )
+            _drop_privileges(volume, _int(args, "ino_out"), _opt(args, "kill"), now)
             return _with_file_attr(volume, args, "copied", copied, _int(args, "ino_out"))
         case "fs.access":
             volume.getattr(_int(args, "ino"))
@@ -426,6 +430,9 @@ def _setattr(volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
     size = _opt(args, "size")
     if size is not None:
         volume.truncate(ino, size, time_ns=now)
+    chown = "uid" in args or "gid" in args
+    if size is not None or chown:  # before a mode set with them
+        _drop_privileges(volume, ino, _opt(args, "kill"), now, chown=chown)
     mode = _opt(args, "mode")
     changes = {
         "mode": None if mode is None else mode & 0o7777,
@@ -437,6 +444,35 @@ def _setattr(volume: Volume, args: dict[str, Any], now: int) -> dict[str, Any]:
     if any(value is not None for value in changes.values()):
         return attr_reply(volume, volume.setattr(ino, time_ns=now, **changes))
     return attr_reply(volume, volume.getattr(ino))
+
+
+def _drop_privileges(
+    volume: Volume, ino: int, kill_gid: int | None, now: int, *, chown: bool = False
+) -> None:
+    """What Linux takes from a file whose content or owner changes, which the bridge
+    leaves to this module (it claims FUSE_HANDLE_KILLPRIV_V2, so the kernel need not
+    ask for security.capability before every write): the capability xattr always;
+    and when the kernel asked for set-ID bits to go (`kill_gid`, the caller's group:
+    a caller without CAP_FSETID, or any chown), the set-user-ID bit, and the
+    set-group-ID bit of a group-executable file or (not for a chown) of a file whose
+    group is not the caller's.  Linux keeps that last bit for a caller in the file's
+    group by a supplementary group too; the bridge sends only the caller's own group
+    (reading each writer's groups would cost more than the round trip this saves), so
+    such a caller loses it: the safe side.  Directories keep theirs.  Records only
+    what changes, so a file without any of it costs one lookup."""
+    inode = volume.root.inodes.get(ino)
+    if inode is None or inode.kind == Kind.DIR:
+        return
+    if CAPABILITY_XATTR in inode.xattrs:
+        volume.removexattr(ino, CAPABILITY_XATTR, time_ns=now)
+    mode = inode.mode
+    if kill_gid is None or not mode & (stat.S_ISUID | stat.S_ISGID):
+        return
+    kept = mode & ~stat.S_ISUID
+    if mode & stat.S_IXGRP or (not chown and kill_gid != inode.gid):
+        kept &= ~stat.S_ISGID
+    if kept != mode:
+        volume.setattr(ino, mode=kept, time_ns=now)
 
 
 def _group_of_new(volume: Volume, args: dict[str, Any]) -> tuple[int, bool]:
