@@ -291,9 +291,10 @@ STEPS: list[tuple[tuple[int, int], str, str, object]] = [
     (ALICE, "link", "sticky/af", "hard"),
     (BOB, "link", "private", "stolen"),
     # What a change of content or owner takes from a file (the server's part under
-    # FUSE_HANDLE_KILLPRIV_V2): set-ID bits when the caller lacks CAP_FSETID (the
-    # set-group-ID bit only of a group-executable file), and on every chown; the
-    # capability xattr always.
+    # FUSE_HANDLE_KILLPRIV_V2, slates/node/fsops.py): set-ID bits when the caller
+    # lacks CAP_FSETID (the set-group-ID bit of a group-executable file, or of one
+    # outside the caller's group: the kernel's own FUSE path kept that one), and on
+    # every chown; the capability xattr always.
     (ALICE, "create", "src", 0o644),
     (ALICE, "write", "src", None),
     *[

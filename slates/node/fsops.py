@@ -458,8 +458,11 @@ def _drop_privileges(
     group is not the caller's.  Linux keeps that last bit for a caller in the file's
     group by a supplementary group too; the bridge sends only the caller's own group
     (reading each writer's groups would cost more than the round trip this saves), so
-    such a caller loses it: the safe side.  Directories keep theirs.  Records only
-    what changes, so a file without any of it costs one lookup."""
+    such a caller loses it: the safe side.  (When the kernel did this for FUSE, it
+    took that bit only from group-executable files, so a caller outside the group
+    kept it where tmpfs drops it: tests/test_agent_users.py's "sgnox" step.)
+    Directories keep theirs.  Records only what changes, so a file without any of it
+    costs one lookup."""
     inode = volume.root.inodes.get(ino)
     if inode is None or inode.kind == Kind.DIR:
         return
