@@ -26,6 +26,7 @@ from slates import Client
 from slates.fuse.bridge import read_counters
 from tests.anchor_fixture import Service, service
 from tests.test_mount import mounted
+from tests.test_mount_clean_reads import MODES
 
 __all__ = ["service"]
 
@@ -45,7 +46,7 @@ def getxattrs(runtime: Path, volume: str) -> int:
     )
 
 
-@pytest.mark.parametrize("writeback", [False, True], ids=["write-through", "writeback"])
+@MODES
 def test_a_file_written_many_times_is_probed_for_its_capability_once(
     service: Service, tmp_path: Path, writeback: bool
 ) -> None:
@@ -65,7 +66,7 @@ def test_a_file_written_many_times_is_probed_for_its_capability_once(
             assert (mnt / "new").read_bytes() == expected == (mnt / "again").read_bytes()
 
 
-@pytest.mark.parametrize("writeback", [False, True], ids=["write-through", "writeback"])
+@MODES
 def test_a_capability_set_between_two_writes_goes_with_the_second(
     service: Service, tmp_path: Path, writeback: bool
 ) -> None:
