@@ -212,6 +212,31 @@ def test_unmount_is_refused_while_in_use_unless_forced(service: Service, tmp_pat
         assert client.read(volume["id"], "/held") == b"still served"
 
 
+def test_a_volume_mounts_again_right_after_a_users_umount(service: Service, tmp_path: Path) -> None:
+    """umount(8) returns before the bridge has exited and the anchor has heard of it;
+    mounting the volume again at once, there or elsewhere, must not be refused as
+    "already mounted" (it was, every time), and the content is the same."""
+    from slates.node.anchor import is_mounted
+
+    with Client(service.runtime) as client:
+        volume = client.create_volume("again")["id"]
+        here, there = tmp_path / "here", tmp_path / "there"
+        here.mkdir()
+        there.mkdir()
+        client.mount(volume, here)
+        (here / "f").write_bytes(b"kept")
+        previous = here
+        for where in (here, there, there, here):
+            done = subprocess.run(["umount", str(previous)], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            client.mount(volume, where)  # at once: no wait for the old bridge
+            assert (where / "f").read_bytes() == b"kept"
+            assert [m["directory"] for m in client.mounts()] == [str(where)]
+            previous = where
+        client.unmount(here)
+        assert not is_mounted(str(here)) and not is_mounted(str(there))
+
+
 def test_unmount_while_the_shard_is_down_does_not_stall_supervision(
     service: Service, tmp_path: Path
 ) -> None:

@@ -528,6 +528,7 @@ class Anchor:
         asked = time.monotonic()
         allow_other = allow_other or uid != os.geteuid()
         path = os.path.realpath(directory)
+        self._forget_ended(path, volume)
         if path in self.mounts or is_mounted(path):
             raise AlreadyExists("something is already mounted there", directory=path)
         for other in self.mounts.values():
@@ -721,6 +722,25 @@ class Anchor:
                 self._bridge_died(mount)
         finally:
             self.restarting = False
+
+    def _forget_ended(self, path: str, volume: str) -> None:
+        """Before a mount at `path` or of `volume`: one there or of it whose bridge has
+        exited, or whose directory is no longer mounted (a user's umount(8): its bridge
+        exits once the kernel lets the connection go, moments later), is waited for
+        (bounded) and reaped now, not at the next supervision round; otherwise mounting
+        again right after a umount was refused as "already mounted", every time."""
+        ending = [
+            mount
+            for mount in self.mounts.values()
+            if (mount.directory == path or mount.volume == volume)
+            and (mount.process.poll() is not None or not is_mounted(mount.directory))
+        ]
+        if not ending:
+            return
+        deadline = time.monotonic() + BRIDGE_EXIT_SECONDS
+        while any(m.process.poll() is None for m in ending) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._reap_bridges()
 
     def _unstick(self, mount: _Mount) -> None:
         """A bridge that exited but cannot be reaped, because one of its threads waits on
