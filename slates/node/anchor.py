@@ -128,6 +128,10 @@ CONTROL_SECONDS = 2.0
 MAX_CONTROL_FRAME = 64 << 10  # control requests are small
 BRIDGE_START_SECONDS = 60.0
 BRIDGE_EXIT_SECONDS = 10.0  # for a bridge whose FUSE connection was aborted to let it exit
+# For a bridge whose directory a user unmounted, before mounting its volume again: it
+# exits within about 50 ms, unless a lazy umount left files of it open (then it serves
+# them on, and the new mount is refused as "already mounted").
+ENDED_BRIDGE_SECONDS = 2.0
 STUCK_CHECK_SECONDS = 1.0  # how often bridges are looked at for an exit waitpid cannot see
 
 _UNITS = {
@@ -737,7 +741,7 @@ class Anchor:
         ]
         if not ending:
             return
-        deadline = time.monotonic() + BRIDGE_EXIT_SECONDS
+        deadline = time.monotonic() + ENDED_BRIDGE_SECONDS
         while any(m.process.poll() is None for m in ending) and time.monotonic() < deadline:
             time.sleep(0.005)
         self._reap_bridges()
