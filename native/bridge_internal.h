@@ -157,7 +157,8 @@ BRIDGE_INTERNAL void enc_ino(const char *op, uint64_t ino);
  * (request_kills_setid: the caller lacks CAP_FSETID, or a chown) and this is
  * the caller's group (slates/node/fsops.py: a set-group-ID bit without group
  * execute goes only for a caller outside the file's group). */
-BRIDGE_INTERNAL void enc_setattr(uint64_t ino, const struct stat *attr, int to_set, int64_t kill_gid);
+BRIDGE_INTERNAL void enc_setattr(uint64_t ino, const struct stat *attr, int to_set,
+                                 int64_t kill_gid);
 BRIDGE_INTERNAL void enc_mknod(uint64_t parent, const char *name, uint32_t mode, uint64_t rdev,
                                uint32_t uid, uint32_t gid);
 BRIDGE_INTERNAL void enc_mkdir(uint64_t parent, const char *name, uint32_t mode, uint32_t uid,

@@ -200,7 +200,8 @@ int meta_readdirplus(fuse_req_t req, uint64_t dir, size_t size, uint64_t off)
         struct fuse_entry_param e;
         if (fuse_add_direntry_plus(req, NULL, 0, items[i].name, NULL, 0) > size - used)
             break;
-        if (items[i].type != DT_UNKNOWN && meta_kernel_holds(dir, items[i].name, items[i].base_ino)) {
+        if (items[i].type != DT_UNKNOWN &&
+            meta_kernel_holds(dir, items[i].name, items[i].base_ino)) {
             /* Looked up already (git's lstat, make's, a compiler's, racing the
              * walk): no stat, no reference, and the kernel keeps its entry. */
             without_attrs(&e, items[i].base_ino, DTTOIF(items[i].type));

@@ -191,9 +191,10 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
      * kernel would trust OPEN with O_TRUNC and the truncation would be lost.
      * Off, the kernel sends O_TRUNC as a SETATTR of size 0. */
     conn->want &= ~(unsigned)FUSE_CAP_ATOMIC_O_TRUNC;
-    /* Not the first version, in which the server kills set-ID bits on every
-     * write whoever writes: the INIT reply claims FUSE_HANDLE_KILLPRIV_V2
-     * instead, whose requests say when (bridge_session.c's request_seen). */
+    /* Not the first version, which would have the server kill set-ID bits on
+     * every write, whoever writes (a root writer keeps them): the INIT reply
+     * claims FUSE_HANDLE_KILLPRIV_V2 instead, whose requests say when
+     * (bridge_session.c's request_seen). */
     conn->want &= ~(unsigned)FUSE_CAP_HANDLE_KILLPRIV;
     conn->max_write = BRIDGE_MAX_IO;
     conn->max_read = BRIDGE_MAX_IO;
