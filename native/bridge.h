@@ -56,7 +56,8 @@
 #define BRIDGE_STAT_DIRFD_LOOKUPS 79 /* LOOKUPs stat'ed from a kept base directory fd */
 #define BRIDGE_STAT_MOVED_DIRS 80 /* base directories found moved (bridge_meta.c) */
 #define BRIDGE_STAT_HELD_ENTRIES 81 /* listed without attributes: the kernel holds them */
-#define BRIDGE_COUNTERS 82
+#define BRIDGE_STAT_PRUNES 82 /* inodes a writeback mount asked the kernel to drop (bridge_prune.c) */
+#define BRIDGE_COUNTERS 83
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
 
 /* Grow the fd table now to hold the base directory fds LOOKUPs keep
@@ -136,6 +137,13 @@ void bridge_exit(void);
 void bridge_unmount(void);
 int bridge_notify_inval_inode(uint64_t ino);
 int bridge_notify_inval_entry(uint64_t parent, const char *name, size_t namelen);
+/* A regular file another client changed: bridge_notify_inval_inode, and in a writeback
+ * mount, the kernel's inode dropped once nothing holds it (bridge_prune.c). */
+int bridge_notify_inval_file(uint64_t ino);
+/* Ask again for every pruned inode the kernel has not forgotten; how many wait, or -errno. */
+long bridge_prune_retry(void);
+/* How many pruned inodes the kernel has not forgotten yet. */
+long bridge_prune_pending(void);
 
 /* Counters: kernel requests by opcode, and the BRIDGE_STAT_* slots. */
 uint64_t bridge_request_count(int opcode);

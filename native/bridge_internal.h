@@ -349,6 +349,14 @@ BRIDGE_INTERNAL int base_open(int dir_fd, const char *path, int flags);
 BRIDGE_INTERNAL void clean_learn(uint64_t ino, const char *path, const struct stat *st,
                                  uint64_t epoch);
 
+/* -- bridge_prune.c ------------------------------------------------------------ */
+
+/* Writeback mounts: ask the kernel to drop `ino`'s inode, now and (pending
+ * until its FORGET) again at each bridge_prune_retry.  0 or -errno. */
+BRIDGE_INTERNAL int prune_note(uint64_t ino);
+/* The kernel forgot `ino`: nothing to ask for any more. */
+BRIDGE_INTERNAL void prune_forgotten(uint64_t ino);
+
 /* -- bridge_map.c ------------------------------------------------------------- */
 
 /* An open-addressing map from a key (never 0) to a pointer; zeroed = empty. */

@@ -168,6 +168,16 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
                     FUSE_CAP_NO_OPENDIR_SUPPORT | FUSE_CAP_READDIRPLUS |
                     FUSE_CAP_ASYNC_READ |
                     FUSE_CAP_CACHE_SYMLINKS | FUSE_CAP_PARALLEL_DIROPS;
+    /* A writeback kernel keeps a file's size through every reply; only
+     * FUSE_NOTIFY_PRUNE (protocol 7.45) lets another client's size change
+     * reach it (bridge_prune.c).  Without it, write through. */
+    if (g_bridge.writeback && (conn->proto_major < 7 || (conn->proto_major == 7 &&
+                                                         conn->proto_minor < 45))) {
+        fprintf(stderr, "slates-bridge: this kernel (FUSE %u.%u) cannot drop a file's cached "
+                        "size: writing through instead of the writeback cache\n",
+                conn->proto_major, conn->proto_minor);
+        g_bridge.writeback = 0;
+    }
     if (!g_bridge.writeback)
         want &= ~(unsigned)FUSE_CAP_WRITEBACK_CACHE;
     conn->want |= want & conn->capable;
@@ -259,6 +269,8 @@ static void send_forgets(const struct fuse_forget_data *given, size_t n, int ker
         absent_forget_inode(given[i].ino);
         clean_drop(given[i].ino);
         attr_drop(given[i].ino);
+        if (kernel)
+            prune_forgotten(given[i].ino); /* evicted: its next lookup is fresh */
         uint64_t count = kernel ? meta_forget(given[i].ino, given[i].nlookup) : given[i].nlookup;
         if (count > 0) {
             items[kept].ino = given[i].ino;

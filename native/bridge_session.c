@@ -35,7 +35,9 @@
  * bridge_notify_inval_* run on the Python watcher thread while the loop
  * runs (libfuse's notify calls are safe from another thread): the shard
  * tells the bridge what another client changed, and the kernel forgets its
- * cached attributes, pages and names for it (and bridge_cache.c its
+ * cached attributes, pages and names for it (a writeback mount's kernel
+ * keeps a file's size through that, so bridge_notify_inval_file also has it
+ * drop the file's inode: bridge_prune.c; and bridge_cache.c its
  * absent xattrs, bridge_clean.c its clean-base-file entry, bridge_meta.c
  * its clean metadata: a tainted node is the shard's to answer; bridge_attr.c
  * the attributes a mutation's reply carried).
@@ -217,6 +219,14 @@ int bridge_notify_inval_inode(uint64_t ino)
     attr_invalidate(ino);  /* the attributes a reply of ours carried are old */
     int rc = fuse_lowlevel_notify_inval_inode(g_bridge.se, (fuse_ino_t)ino, 0, 0);
     return rc == -ENOENT ? 0 : rc;
+}
+
+int bridge_notify_inval_file(uint64_t ino)
+{
+    int rc = bridge_notify_inval_inode(ino);
+    if (rc == 0 && g_bridge.writeback)
+        rc = prune_note(ino); /* the kernel keeps a writeback file's size (bridge_prune.c) */
+    return rc;
 }
 
 int bridge_notify_inval_entry(uint64_t parent, const char *name, size_t namelen)

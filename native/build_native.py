@@ -65,6 +65,7 @@ SOURCES = (
     "bridge_attr.c",
     "bridge_clean.c",
     "bridge_map.c",
+    "bridge_prune.c",
     "bridge_meta.c",
     "bridge_meta_dir.c",
     "bridge_dirfd.c",
@@ -130,6 +131,7 @@ ffibuilder.cdef(
     #define BRIDGE_STAT_DIRFD_LOOKUPS ...
     #define BRIDGE_STAT_MOVED_DIRS ...
     #define BRIDGE_STAT_HELD_ENTRIES ...
+    #define BRIDGE_STAT_PRUNES ...
     #define BRIDGE_RECONNECT_SECONDS ...
     #define BRIDGE_MAX_IO ...
     #define BRIDGE_LOOP_THREADS ...
@@ -157,6 +159,9 @@ ffibuilder.cdef(
     void bridge_unmount(void);
     int bridge_notify_inval_inode(uint64_t ino);
     int bridge_notify_inval_entry(uint64_t parent, const char *name, size_t namelen);
+    int bridge_notify_inval_file(uint64_t ino);
+    long bridge_prune_retry(void);
+    long bridge_prune_pending(void);
     uint64_t bridge_request_count(int opcode);
     uint64_t bridge_stat(int slot);
     int bridge_set_counter_memory(void *mem, uint64_t len);

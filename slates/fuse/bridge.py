@@ -223,6 +223,7 @@ __all__ = [
 RECONNECT_SECONDS: int = lib.BRIDGE_RECONNECT_SECONDS
 COUNTER_SLOTS: int = lib.BRIDGE_COUNTERS
 HELLO_TIMEOUT = 2.0  # per attempt; C retries until RECONNECT_SECONDS
+PRUNE_RETRY_SECONDS = 0.2  # the watcher's pace for pruned files still held open
 REPLY_LIMIT = 16 << 20  # `Bridge.request` replies (a ring message is smaller anyway)
 JOB_LIMIT = 64 << 10  # a spare's job line (paths, flags and a token: far less)
 _uncleared = ffi.new_allocator(should_clear_after_alloc=False)
@@ -299,6 +300,7 @@ STATS: dict[int, str] = {
     lib.BRIDGE_STAT_DIRFD_LOOKUPS: "dirfd_lookups",
     lib.BRIDGE_STAT_MOVED_DIRS: "moved_dirs",
     lib.BRIDGE_STAT_HELD_ENTRIES: "held_entries",
+    lib.BRIDGE_STAT_PRUNES: "prunes",
 }
 
 
@@ -546,7 +548,14 @@ class Bridge:
             first = True
             while not self.stopping:
                 while (payload := reader.next_frame()) is None:
-                    data = sock.recv(1 << 16)
+                    # A writeback mount's pruned files still held open are asked for
+                    # again while they wait (native/bridge_prune.c).
+                    sock.settimeout(PRUNE_RETRY_SECONDS if lib.bridge_prune_pending() else None)
+                    try:
+                        data = sock.recv(1 << 16)
+                    except TimeoutError:
+                        lib.bridge_prune_retry()
+                        continue
                     if not data:
                         raise ConnectionResetError("the shard closed the watch connection")
                     reader.feed(data)
@@ -557,6 +566,7 @@ class Bridge:
                     self.watching.set()
                     continue
                 self._invalidate(message.get("inval"))
+                sock.settimeout(None)
                 sock.sendall(frame(pack({"ack": message.get("id")})))
 
     @staticmethod
@@ -567,6 +577,8 @@ class Bridge:
             match note:
                 case ["inode", int(ino)]:
                     rc = lib.bridge_notify_inval_inode(ino)
+                case ["file", int(ino)]:
+                    rc = lib.bridge_notify_inval_file(ino)
                 case ["entry", int(parent), str(name)]:
                     raw = os.fsencode(name)
                     rc = lib.bridge_notify_inval_entry(parent, raw, len(raw))

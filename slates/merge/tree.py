@@ -83,14 +83,20 @@ def changed_since(earlier: Root, later: Root) -> bool:
 
 def changed_entries(earlier: Root, later: Root) -> list[list[object]]:
     """What a kernel caching `earlier` must forget to see `later` (one pass of pointer
-    comparisons): ["inode", ino] for every inode that differs, ["entry", dir, name] for
-    every directory entry that differs."""
+    comparisons): ["file", ino] for every regular file that differs (its size may have
+    changed: slates.node.shard.invalidations), ["inode", ino] for every other inode that
+    differs, ["entry", dir, name] for every directory entry that differs."""
     notes: list[list[object]] = []
     changed = [ino for ino, inode in later.inodes.items() if earlier.inodes.get(ino) is not inode]
     changed += [ino for ino in earlier.inodes if ino not in later.inodes]
     for ino in changed:
-        notes.append(["inode", ino])
-        old, new = _entries(earlier.inodes.get(ino)), _entries(later.inodes.get(ino))
+        was_inode, now_inode = earlier.inodes.get(ino), later.inodes.get(ino)
+        is_file = any(
+            inode is not None and isinstance(inode.body, FileBody)
+            for inode in (was_inode, now_inode)
+        )
+        notes.append(["file" if is_file else "inode", ino])
+        old, new = _entries(was_inode), _entries(now_inode)
         if old is new:
             continue
         for key in set(old.keys()) | set(new.keys()):

@@ -709,7 +709,7 @@ class Shard:
         ):
             # Pages cached from before the drift must not mix with errors after it.
             vid, ino = request.args["volume"], request.args["ino"]
-            self.drifted.setdefault(vid, []).append(["inode", ino])
+            self.drifted.setdefault(vid, []).append(["file", ino])
         packed = pack(reply)
         if len(packed) > MAX_FRAME - 1024:
             too_large = InvalidArgument("the reply is too large; ask for less", size=len(packed))
@@ -990,17 +990,25 @@ def invalidations(applied: list[tuple[str, Record]]) -> dict[str, list[list[Any]
     """What a kernel caching a volume must forget after these records were applied.
 
     ["inode", ino] drops an inode's cached attributes and data;
+    ["file", ino] does that for a regular file whose content or size changed, and a
+    writeback mount's bridge also has the kernel drop the inode itself once nothing
+    holds it, since that kernel keeps a file's size through every reply
+    (native/bridge_prune.c);
     ["entry", parent, name] drops a cached name (also a negative one).
     """
     out: dict[str, list[list[Any]]] = {}
     for vid, record in applied:
         notes = out.setdefault(vid, [])
         match record:
-            case Write(ino=ino) | Truncate(ino=ino) | PunchHole(ino=ino) | SetAttr(ino=ino):
-                notes.append(["inode", ino])
             case (
-                SetXattr(ino=ino) | RemoveXattr(ino=ino) | ShareRange(dst_ino=ino) | Splice(ino=ino)
+                Write(ino=ino)
+                | Truncate(ino=ino)
+                | PunchHole(ino=ino)
+                | ShareRange(dst_ino=ino)
+                | Splice(ino=ino)
             ):
+                notes.append(["file", ino])
+            case SetAttr(ino=ino) | SetXattr(ino=ino) | RemoveXattr(ino=ino):
                 notes.append(["inode", ino])
             case Create(parent=p, name=n) | Mkdir(parent=p, name=n) | Symlink(parent=p, name=n):
                 notes += [["entry", p, n], ["inode", p]]
