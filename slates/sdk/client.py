@@ -265,9 +265,12 @@ class AsyncClient:
         By default every write goes through to the shard at once: the kernel's
         attributes stay valid across closes (warm rereads send no requests),
         SEEK_DATA/SEEK_HOLE see holes, and changes other clients make, size
-        included, reach the mount.  writeback=True lets the kernel gather
-        writes (fewer, larger requests) but, as FUSE's writeback cache keeps
-        the file size to itself, is for volumes only this mount changes.
+        included, reach even files held open.  writeback=True lets the kernel
+        gather writes (fewer, larger requests: a build of many small writes
+        runs faster), but every close makes the next stat ask again, each
+        closed file's times cost a request, holes read as data, and a file
+        held open while another client changes its size keeps the old size
+        until it is closed (bench/RESULTS.md).
         allow_other=True lets other users' processes enter the mount (FUSE's
         allow_other; the kernel still checks each file's permissions).
         """
