@@ -57,7 +57,8 @@
 #define BRIDGE_STAT_MOVED_DIRS 80 /* base directories found moved (bridge_meta.c) */
 #define BRIDGE_STAT_HELD_ENTRIES 81 /* listed without attributes: the kernel holds them */
 #define BRIDGE_STAT_PRUNES 82 /* inodes a writeback mount asked the kernel to drop (bridge_prune.c) */
-#define BRIDGE_COUNTERS 83
+#define BRIDGE_STAT_CONTENT_READS 83 /* READs of files made here, from the bridge's copy */
+#define BRIDGE_COUNTERS 84
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
 
 /* Grow the fd table now to hold the base directory fds LOOKUPs keep

@@ -114,6 +114,7 @@ uint64_t link_ack(uint64_t seq) { return (g_wb.count > 0 ? fifo_at(0)->seq : seq
 
 static void latch(uint64_t ino, int err)
 {
+    content_drop(ino); /* its copy holds bytes the shard refused (bridge_content.c) */
     for (unsigned i = 0; i < g_wb.nlatched; i++)
         if (g_wb.latched[i].ino == ino)
             return; /* the first failure is the one reported */

@@ -349,6 +349,25 @@ BRIDGE_INTERNAL int base_open(int dir_fd, const char *path, int flags);
 BRIDGE_INTERNAL void clean_learn(uint64_t ino, const char *path, const struct stat *st,
                                  uint64_t epoch);
 
+/* -- bridge_content.c ----------------------------------------------------------- */
+
+/* Invalidations so far: read it before sending the request that empties a file. */
+BRIDGE_INTERNAL uint64_t content_epoch(void);
+/* `ino` is an empty regular file now (a CREATE, a SETATTR to size 0 sent at
+ * `epoch`): keep a copy of its content from here on. */
+BRIDGE_INTERNAL void content_start(uint64_t ino, uint64_t epoch);
+/* Bytes the shard applied or promised to `ino`, in the order sent (link lock). */
+BRIDGE_INTERNAL void content_write(uint64_t ino, uint64_t off, const void *data, size_t n);
+/* `ino`'s new size after a SETATTR (link lock). */
+BRIDGE_INTERNAL void content_resize(uint64_t ino, uint64_t size);
+/* Any other change to `ino`'s content, or its FORGET: no copy any more. */
+BRIDGE_INTERNAL void content_drop(uint64_t ino);
+/* Another client changed `ino` (watcher thread): no copy, and no copy begun
+ * from a request sent before this. */
+BRIDGE_INTERNAL void content_invalidate(uint64_t ino);
+/* Answer a READ from `ino`'s copy: 1 if answered, 0 if there is none. */
+BRIDGE_INTERNAL int content_read(fuse_req_t req, uint64_t ino, uint64_t off, size_t size);
+
 /* -- bridge_prune.c ------------------------------------------------------------ */
 
 /* Writeback mounts: ask the kernel to drop `ino`'s inode, now and (pending

@@ -269,6 +269,7 @@ static void send_forgets(const struct fuse_forget_data *given, size_t n, int ker
         absent_forget_inode(given[i].ino);
         clean_drop(given[i].ino);
         attr_drop(given[i].ino);
+        content_drop(given[i].ino);
         if (kernel)
             prune_forgotten(given[i].ino); /* evicted: its next lookup is fresh */
         uint64_t count = kernel ? meta_forget(given[i].ino, given[i].nlookup) : given[i].nlookup;
@@ -307,8 +308,9 @@ static void op_forget_multi(fuse_req_t req, size_t count_, struct fuse_forget_da
 }
 
 /* Send the encoded request and answer the kernel with the ATTR it returns;
- * `keep`: a mutation's ATTR, kept for the kernel's next GETATTR. */
-static void reply_attr(fuse_req_t req, int keep)
+ * `keep`: a mutation's ATTR, kept for the kernel's next GETATTR.  0 with the
+ * ATTR in *out (when not NULL), or the errno answered. */
+static int reply_attr(fuse_req_t req, int keep, struct stat *out)
 {
     const msgpack_object *res;
     struct stat st;
@@ -325,10 +327,14 @@ static void reply_attr(fuse_req_t req, int keep)
         if (keep)
             attr_note(res, ep.attr);
     }
-    if (rc != 0)
+    if (rc != 0) {
         fuse_reply_err(req, rc);
-    else
-        fuse_reply_attr(req, &st, g_bridge.cache_timeout);
+        return rc;
+    }
+    if (out != NULL)
+        *out = st;
+    fuse_reply_attr(req, &st, g_bridge.cache_timeout);
+    return 0;
 }
 
 static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -341,7 +347,7 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     link_lock();
     PREPARE(req, ino);
     enc_ino("fs.getattr", ino);
-    reply_attr(req, 0);
+    (void)reply_attr(req, 0, NULL);
 }
 
 /* What a request that may kill set-ID bits says of it (enc_setattr's kill_gid). */
@@ -359,8 +365,19 @@ static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to
     meta_taint(ino);
     clean_drop(ino); /* a truncation changes the content; the reply teaches again */
     attr_drop(ino);
+    int sizing = (to_set & FUSE_SET_ATTR_SIZE) != 0;
+    uint64_t content_ep = content_epoch();
     enc_setattr(ino, attr, to_set, kill_gid(req, request_kills_setid()));
-    reply_attr(req, 1);
+    struct stat now;
+    if (reply_attr(req, 1, &now) != 0) {
+        if (sizing)
+            content_drop(ino); /* the size it has now is the shard's to say */
+        return;
+    }
+    if (sizing && now.st_size == 0 && S_ISREG(now.st_mode))
+        content_start(ino, content_ep); /* emptied: its content passes through here */
+    else if (sizing)
+        content_resize(ino, (uint64_t)now.st_size);
 }
 
 static void op_readlink(fuse_req_t req, fuse_ino_t ino)
@@ -487,6 +504,7 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
     meta_taint(parent);
     attr_drop(parent);
     struct epochs ep = epochs_now();
+    uint64_t content_ep = content_epoch();
     int asking = behind_wanted();
     enc_create(parent, name, mode, ctx->uid, ctx->gid, exclusive, asking);
     int rc = link_call(&res);
@@ -495,6 +513,10 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
         fuse_reply_err(req, rc);
         return;
     }
+    struct stat made;
+    fuse_ino_t made_ino = 0;
+    if (attr_from_node(res, &made, &made_ino) == 0 && made.st_size == 0 && S_ISREG(made.st_mode))
+        content_start(made_ino, content_ep); /* before any WRITE: they wait for the link lock */
     fuse_ino_t ino = reply_entry_from(req, res, 1, fi, exclusive, ep);
     /* The new file's writes, anywhere in it, may then be answered early (a file
      * that already existed gets a grant only when it is empty).  The kernel's WRITE
@@ -559,6 +581,8 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         fuse_reply_buf(req, clean, (size_t)served);
         return;
     }
+    if (content_read(req, ino, (uint64_t)off, size))
+        return; /* a file made here (bridge_content.c) */
     link_lock();
     PREPARE(req, ino);
     uint32_t chunk = io_chunk();
@@ -612,6 +636,7 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
     }
     int64_t kill = kill_gid(req, request_kills_setid());
     if (behind_try(ino, (uint64_t)off, buf, size, kill)) {
+        content_write(ino, (uint64_t)off, buf, size);
         fuse_reply_write(req, size); /* the shard promised it (bridge_behind.c) */
         return;
     }
@@ -643,6 +668,10 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
         if (asking && (size_t)written == size)
             behind_granted(ino, (uint64_t)off + size, res);
     } while (done < size);
+    if (err != 0)
+        content_drop(ino); /* how much of it the shard applied is its to say */
+    else
+        content_write(ino, (uint64_t)off, buf, done);
     if (err != 0 && done == 0)
         fuse_reply_err(req, err);
     else
@@ -938,6 +967,7 @@ static void op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset,
     meta_taint(ino);
     clean_drop(ino);
     attr_drop(ino);
+    content_drop(ino);
     enc_fallocate(ino, mode, (uint64_t)offset, (uint64_t)length,
                   kill_gid(req, caller_lacks_fsetid(fuse_req_ctx(req)->pid)));
     answer_keeping_attrs(req, FILE_ATTR);
@@ -989,6 +1019,7 @@ static void op_copy_file_range(fuse_req_t req, fuse_ino_t ino_in, off_t off_in,
     meta_taint(ino_out);
     clean_drop(ino_out);
     attr_drop(ino_out);
+    content_drop(ino_out);
     uint64_t attr_ep = attr_epoch();
     enc_copy_file_range(ino_in, (uint64_t)off_in, ino_out, (uint64_t)off_out, len,
                         kill_gid(req, caller_lacks_fsetid(fuse_req_ctx(req)->pid)));

@@ -215,6 +215,7 @@ int bridge_notify_inval_inode(uint64_t ino)
         return -ENOTCONN;
     absent_forget_inode(ino); /* another client may have set one of them */
     clean_invalidate(ino); /* another client may have changed its content */
+    content_invalidate(ino); /* ... so a copy of what this mount wrote is old */
     meta_taint(ino);       /* ... or its attributes, or its names */
     attr_invalidate(ino);  /* the attributes a reply of ours carried are old */
     int rc = fuse_lowlevel_notify_inval_inode(g_bridge.se, (fuse_ino_t)ino, 0, 0);

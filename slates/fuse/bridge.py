@@ -301,6 +301,7 @@ STATS: dict[int, str] = {
     lib.BRIDGE_STAT_MOVED_DIRS: "moved_dirs",
     lib.BRIDGE_STAT_HELD_ENTRIES: "held_entries",
     lib.BRIDGE_STAT_PRUNES: "prunes",
+    lib.BRIDGE_STAT_CONTENT_READS: "content_reads",
 }
 
 
