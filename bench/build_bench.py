@@ -14,7 +14,8 @@ by round so load drifts hit every kind alike:
 Workspaces: `plain` (cp -a of the tree onto this file system: the baseline),
 `fuse-overlayfs` and `overlayfs` (upper on a tmpfs) for context, and
 `slates` (a volume over the live tree, mounted through the bridge, made by
-the SDK on a private anchor). Each round makes a fresh workspace, times
+the SDK on a private anchor), and `slates-writeback` (the same, mounted with
+the kernel's writeback cache: `slates mount --writeback`). Each round makes a fresh workspace, times
 only the workload, and removes the workspace; the figure is the median over
 --rounds. Everything mounted or started is undone by the Cleanup stack.
 Nothing is asserted; recorded figures go in bench/RESULTS.md.
@@ -68,7 +69,7 @@ from slates.node.anchor import spawn_anchor, stop_process
 
 __all__ = ["main"]
 
-KINDS = ("plain", "fuse-overlayfs", "overlayfs", "slates")
+KINDS = ("plain", "fuse-overlayfs", "overlayfs", "slates", "slates-writeback")
 PY_SPY = Path(sys.executable).parent / "py-spy"
 
 
@@ -106,7 +107,7 @@ class Workspaces:
         if {"overlayfs", "fuse-overlayfs"} & set(kinds):
             self.tmpfs = top / "tmpfs"
             mount_tmpfs(self.tmpfs, "8g", cleanup)
-        if "slates" in kinds:
+        if {"slates", "slates-writeback"} & set(kinds):
             runtime = top / "slates-run"
             log = open(top / "anchor.log", "wb")  # noqa: SIM115 (closed by the cleanup)
             cleanup.push(log.close)
@@ -153,7 +154,7 @@ class Workspaces:
             return path, undo_overlay
         path.mkdir()
         volume = str(self.client.create_volume(f"build-{self.made}", base=source)["id"])
-        self.client.mount(volume, path)
+        self.client.mount(volume, path, writeback=kind == "slates-writeback")
         self.bridge_pid = next(
             int(m["pid"]) for m in self.client.mounts() if m["directory"] == str(path)
         )
@@ -281,9 +282,14 @@ def main(argv: list[str] | None = None) -> int:
             row = " ".join(f"{medians[k]:>14.2f}s" for k in kinds)
             print(f"{name:<10} {row}   {ratio:.3f}x  ({checks.pop()}, {args.rounds} rounds)")
             print(f"{'':<10} per round: " + _rounds(samples))
-            if "slates" in samples:
-                paired = [s / p for s, p in zip(samples["slates"], samples["plain"], strict=True)]
-                print(f"{'':<10} slates/plain per round: " + " ".join(f"{r:.3f}" for r in paired))
+            for kind in ("slates", "slates-writeback"):
+                if kind in samples:
+                    paired = [s / p for s, p in zip(samples[kind], samples["plain"], strict=True)]
+                    ratios = " ".join(f"{r:.3f}" for r in paired)
+                    print(f"{'':<10} {kind}/plain per round: {ratios}")
+            if "slates-writeback" in medians:
+                wb = medians["slates-writeback"] / medians["plain"]
+                print(f"{'':<10} slates-writeback/plain: {wb:.3f}x")
             print(f"{'':<10} workload cpu (median, s): " + _medians(cpu))
             if counters:
                 print(f"{'':<10} bridge (median over rounds): {_counter_medians(counters)}")
