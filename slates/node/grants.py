@@ -50,6 +50,15 @@ the look at the extents, one per write that asked, short.)
 with no grant (the bridge resending after a restart, whose grant died with
 the old shard) is an ordinary write: it may be refused like any other, and
 the bridge reports that on the inode's next write or fsync.
+
+Runs.  When the shard falls behind a writer, writes under the grant queue in
+the ring (the bridge answers up to eight early).  Writes queued one after
+another, each under what the one before leaves of the grant and starting
+where it ended, asking for the same things, may be applied as one write
+(`joins_run`; the shard keeps each one's reply): what they leave of the
+grant is what they would have left one by one, since `left` counts each
+write's cost and `held` less what the volume charged them all.  At most
+RUN_WRITES writes and RUN_BYTES bytes go as one.
 """
 
 from __future__ import annotations
@@ -69,7 +78,10 @@ __all__ = [
     "Grant",
     "GrantState",
     "LinkGrant",
+    "RUN_BYTES",
+    "RUN_WRITES",
     "cost",
+    "joins_run",
 ]
 
 GRANT_BYTES = 8 << 20  # what a bridge may answer early before it hears back
@@ -82,6 +94,8 @@ GRANT_MARGIN = 256 << 10
 SCATTER_COST = 3 * 4096
 # The most extents a file may have for a write to it to bring a scattered grant.
 SCATTER_EXTENTS = 256
+RUN_WRITES = 16  # queued writes under a grant applied as one write, at most
+RUN_BYTES = 1 << 20  # ... and their bytes
 
 
 class GrantState(enum.Enum):
@@ -122,6 +136,26 @@ def _write_under(grant: Grant, op: str, args: dict[str, Any]) -> bool:
         and offset + len(data) <= MAX_FILE_SIZE
         and cost(grant, len(data)) <= grant.left
     )
+
+
+def joins_run(grant: Grant, run: list[dict[str, Any]], args: dict[str, Any]) -> bool:
+    """Whether a write with `args` may be applied with `run` (the args of writes
+    already taken as one run under `grant`, in ring order) as one write."""
+    if len(run) >= RUN_WRITES:
+        return False
+    end, left, size = grant.end, grant.left, 0
+    for earlier in run:
+        length = len(earlier["data"])
+        end, left, size = earlier["offset"] + length, left - cost(grant, length), size + length
+    if run:
+        first = run[0]
+        same = all(args.get(k) == v for k, v in first.items() if k not in ("offset", "data"))
+        if not same or len(args) != len(first) or args.get("offset") != end:
+            return False
+    data = args.get("data")
+    if not isinstance(data, bytes) or size + len(data) > RUN_BYTES:
+        return False
+    return _write_under(dataclasses.replace(grant, end=end, left=left), "fs.write", args)
 
 
 class LinkGrant:

@@ -217,6 +217,57 @@ class ShardService(ShardState):
             return self._resume(job, Sent()), self._take_events()
         return self._done(client, principal, request, result=result), self._take_events()
 
+    def handle_write_run(
+        self, client: str, requests: list[Request], now_ns: int, principal: Principal = OPERATOR
+    ) -> tuple[list[dict[str, Any]], list[Event]] | None:
+        """A run of fs.write requests to one file, each starting where the one before
+        ended, applied as one write (one record, one journal frame): the reply each
+        would have had, and the events.  None, with nothing changed, when any of them
+        would not run as a plain new write (a retry, the client's first request, its
+        saved replies' bound, a refusal): the caller then runs them one by one."""
+        first = requests[0]
+        args = first.args
+        self._events = []
+        self.applied = []
+        self._client = client
+        self._principal = principal
+        self._seq = first.seq  # the run's record is the first request's
+        acked, saved = self.acked.get(client, 0), self.results.get(client, {})
+        if self.client_principals.get(client) != principal.name:
+            return None
+        if any(r.seq <= acked or r.seq in saved for r in requests):
+            return None
+        if len(saved) + len(requests) > MAX_UNACKED:
+            return None
+        if self.remote.view(args["volume"]) is not None:
+            return None  # another host's version: a write may wait for its pages (a job)
+        data = b"".join(r.args["data"] for r in requests)
+        merged = {**args, "data": data}
+        try:
+            authorize(principal, "fs.write", merged, self.owners, self.greens, self._allowed)
+            result = self._run("fs.write", merged, now_ns)
+        except SlatesError as exc:
+            if not self._events:
+                return None  # refused before any change: one by one, each its own answer
+            # Changed, then refused (a volume refuses before it changes: not expected):
+            # every request gets the refusal, and the journal keeps what changed.
+            errors = [self._done(client, principal, r, error=exc) for r in requests]
+            return errors, self._take_events()
+        if isinstance(result, GeneratorType):  # a job after all: run them one by one
+            result.close()
+            if self._events:
+                raise VerificationFailed("a write run became a job after changing the volume")
+            return None
+        ack = max(r.ack for r in requests)
+        if ack > acked:
+            self._emit(RepliesAcked(client, ack))
+        replies = []
+        for request in requests:
+            size = len(request.args["data"])
+            each = {**result, "written": size} if isinstance(result, dict) else size
+            replies.append(self._done(client, principal, request, result=each))
+        return replies, self._take_events()
+
     def step(
         self, job: Job, outcome: Outcome, now_ns: int
     ) -> tuple[dict[str, Any] | Job, list[Event]]:
