@@ -54,6 +54,13 @@ def written_in_pieces(path: Path, rng: random.Random, size: int) -> bytes:
     return bytes(content)
 
 
+def seeded() -> random.Random:
+    """A random source whose seed the test's output shows (pytest prints it on failure)."""
+    seed = random.randrange(1 << 32)
+    print(f"seed {seed}")
+    return random.Random(seed)
+
+
 def drop_page_cache() -> None:
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("1\n")
@@ -63,9 +70,7 @@ def drop_page_cache() -> None:
 def test_pieces_read_back_from_the_copy_and_follow_other_clients(
     service: Service, tmp_path: Path, writeback: bool
 ) -> None:
-    seed = random.randrange(1 << 32)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
+    rng = seeded()
     with Client(service.runtime) as client:
         vid = client.create_volume("pieces")["id"]
         with mounted(client, vid, tmp_path / "mnt", writeback=writeback) as mnt:
@@ -95,9 +100,7 @@ def test_pieces_read_back_from_the_copy_and_follow_other_clients(
 def test_every_other_change_to_a_copied_file_reads_as_the_shard_has_it(
     service: Service, tmp_path: Path, writeback: bool
 ) -> None:
-    seed = random.randrange(1 << 32)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
+    rng = seeded()
     with Client(service.runtime) as client:
         vid = client.create_volume("changes")["id"]
         with mounted(client, vid, tmp_path / "mnt", writeback=writeback) as mnt:
