@@ -84,9 +84,11 @@ static struct epochs epochs_now(void)
 
 /* Answer an ENTRY reply; the node answered, or 0 (EIO: no usable ATTR).
  * `fresh`: the request made this inode (it has no xattrs yet); `ep`:
- * epochs_now() from before the request was sent. */
+ * epochs_now() from before the request was sent; `answered` (when not NULL):
+ * the attributes given. */
 static fuse_ino_t reply_entry_from(fuse_req_t req, const msgpack_object *res, int create,
-                                   struct fuse_file_info *fi, int fresh, struct epochs ep)
+                                   struct fuse_file_info *fi, int fresh, struct epochs ep,
+                                   struct stat *answered)
 {
     struct fuse_entry_param e;
     memset(&e, 0, sizeof e);
@@ -102,6 +104,8 @@ static fuse_ino_t reply_entry_from(fuse_req_t req, const msgpack_object *res, in
     attr_note(mp_get(res, "parent_attr"), ep.attr);
     e.attr_timeout = g_bridge.cache_timeout;
     e.entry_timeout = g_bridge.cache_timeout;
+    if (answered != NULL)
+        *answered = e.attr;
     if (create) {
         fi->fh = 0;
         fi->keep_cache = 1;
@@ -126,7 +130,7 @@ static void answer_entry(fuse_req_t req, int fresh, int keep_self)
     }
     if (keep_self)
         attr_note(res, ep.attr);
-    reply_entry_from(req, res, 0, NULL, fresh, ep);
+    reply_entry_from(req, res, 0, NULL, fresh, ep, NULL);
 }
 
 static void answer_empty(fuse_req_t req)
@@ -252,7 +256,7 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
         fuse_reply_err(req, rc);
         return;
     }
-    reply_entry_from(req, res, 0, NULL, 0, ep);
+    reply_entry_from(req, res, 0, NULL, 0, ep, NULL);
 }
 
 /* Tell the shard of forgotten references.  `kernel`: the kernel forgot them
@@ -514,13 +518,13 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
         return;
     }
     struct stat made;
-    fuse_ino_t made_ino = 0;
-    if (attr_from_node(res, &made, &made_ino) == 0 && made.st_size == 0 && S_ISREG(made.st_mode))
-        content_start(made_ino, content_ep); /* before any WRITE: they wait for the link lock */
-    fuse_ino_t ino = reply_entry_from(req, res, 1, fi, exclusive, ep);
-    /* The new file's writes, anywhere in it, may then be answered early (a file
-     * that already existed gets a grant only when it is empty).  The kernel's WRITE
-     * cannot overtake this: it waits for the link lock, held until we return. */
+    fuse_ino_t ino = reply_entry_from(req, res, 1, fi, exclusive, ep, &made);
+    /* An empty file: its content passes through here from now on (bridge_content.c);
+     * and its writes, anywhere in it, may be answered early (a file that already
+     * existed gets a grant only when it is empty).  The kernel's WRITE cannot
+     * overtake either: it waits for the link lock, held until we return. */
+    if (ino != 0 && made.st_size == 0 && S_ISREG(made.st_mode))
+        content_start(ino, content_ep);
     if (asking && ino != 0)
         behind_granted(ino, 0, res);
 }

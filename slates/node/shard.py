@@ -532,10 +532,7 @@ class Shard:
             return reply
         ino, end = int(args["ino"]), int(args["offset"]) + len(data)
         if under is not None:
-            left = under.left - cost(under, len(data))
-            held = under.held - (volume.charged_bytes - charged)
-            if left > 0 and held >= left:
-                self._hold(link, vid, volume, ino, end, left, held, under.scattered)
+            self._hold_rest(link, volume, under, end, cost(under, len(data)), charged)
             return reply  # a write under a grant: the bridge counts what is left itself
         if args.get("behind") is not True or not isinstance(result, dict):
             return reply
@@ -546,6 +543,17 @@ class Shard:
         except SlatesError:
             return reply
         return self._offer(link, vid, volume, ino, end, reply, result, scattered)
+
+    def _hold_rest(
+        self, link: LinkGrant, volume: Volume, grant: Grant, end: int, spent: int, charged: int
+    ) -> None:
+        """After writes under `grant` that took `spent` of it and ended at `end`: what
+        is left of it held for the next ones, less the room the volume charged them
+        (its charged bytes were `charged` before); nothing when nothing is left."""
+        left = grant.left - spent
+        held = grant.held - (volume.charged_bytes - charged)
+        if left > 0 and held >= left:
+            self._hold(link, grant.volume, volume, grant.ino, end, left, held, grant.scattered)
 
     def _offer(
         self,
@@ -637,24 +645,20 @@ class Shard:
             refused = await self._quiesce(message)
             if refused is not None:
                 return refused
-        outcome = self.handle(hello, message, link)
+        return await self._finished(self.handle(hello, message, link))
+
+    async def _answer_request(self, hello: Hello, request: Request, link: LinkGrant) -> bytes:
+        """`answer` of a request a mount's ring brought, decoded (a mount's requests
+        never wait for other mounts: _quiesce)."""
+        return await self._finished(self._handle_request(hello, request, link))
+
+    async def _finished(self, outcome: bytes | Job) -> bytes:
+        """A request's packed reply: a long request's job run to its end first."""
         try:
             while isinstance(outcome, Job):
                 outcome = await self._advance(outcome)
         finally:
             if isinstance(outcome, Job):  # cancelled (the client left): clean up after it
-                self.commit(self.service.abandon(outcome))
-        return outcome
-
-    async def _answer_request(self, hello: Hello, request: Request, link: LinkGrant) -> bytes:
-        """`answer` of a request a mount's ring brought, decoded (a mount's requests
-        never wait for other mounts: _quiesce)."""
-        outcome = self._handle_request(hello, request, link)
-        try:
-            while isinstance(outcome, Job):
-                outcome = await self._advance(outcome)
-        finally:
-            if isinstance(outcome, Job):
                 self.commit(self.service.abandon(outcome))
         return outcome
 
@@ -684,11 +688,8 @@ class Shard:
         self.write_runs["writes"] += len(run)
         if all(reply.get("error") is None for reply in replies):
             last = run[-1].args
-            left = grant.left - sum(cost(grant, len(request.args["data"])) for request in run)
-            held = grant.held - (volume.charged_bytes - charged)
-            if left > 0 and held >= left:
-                end = last["offset"] + len(last["data"])
-                self._hold(link, grant.volume, volume, grant.ino, end, left, held, grant.scattered)
+            spent = sum(cost(grant, len(request.args["data"])) for request in run)
+            self._hold_rest(link, volume, grant, last["offset"] + len(last["data"]), spent, charged)
         # One record for the run: its invalidations and collection come with the first.
         return [self._answered(run[0], replies[0])] + [pack(reply) for reply in replies[1:]]
 
@@ -918,8 +919,7 @@ class Shard:
         under its grant that queued one after another: those go as one (_write_run)."""
         while True:
             message = await pair.requests.receive_request()
-            taken = pair.requests.positions()[1]
-            produced = pair.requests.positions()[0]
+            produced, taken = pair.requests.positions()
             if hello.mount is None or ring.grant.grant is None or produced == taken:
                 reply = await self.answer(hello, message, ring.grant)
                 await self._replied(conn, pair, hello, ring, taken, [reply])
