@@ -58,7 +58,10 @@
 #define BRIDGE_STAT_HELD_ENTRIES 81 /* listed without attributes: the kernel holds them */
 #define BRIDGE_STAT_PRUNES 82 /* inodes a writeback mount asked the kernel to drop (bridge_prune.c) */
 #define BRIDGE_STAT_CONTENT_READS 83 /* READs of files made here, from the bridge's copy */
-#define BRIDGE_COUNTERS 84
+#define BRIDGE_STAT_REPLY_SPIN_HITS 84 /* reply waits a spin ended (bridge_spin.c) */
+#define BRIDGE_STAT_REPLY_SPIN_MISSES 85 /* reply waits that spun, then parked */
+#define BRIDGE_STAT_REPLY_SPIN_SKIPS 86 /* reply waits that parked at once (crowded) */
+#define BRIDGE_COUNTERS 87
 #define BRIDGE_COUNTER_BYTES (BRIDGE_COUNTERS * 8)
 
 /* Grow the fd table now to hold the base directory fds LOOKUPs keep
@@ -187,12 +190,13 @@ int bridge_test_attr_cache(uint64_t ino, int event);
 int bridge_test_meta_map(const uint64_t *ops, uint32_t n, uint64_t probe);
 /* Tests: the readdir cookie the bridge gives a name it lists from the base. */
 uint64_t bridge_test_cookie(const char *name, size_t len);
-/* The loop threads' spin policy (bridge_spin.c) over `n` waits: wanted[i] is whether it
+/* The spin policy (bridge_spin.c) over `n` waits, the loop threads' or
+ * (any_rate) the reply wait's: wanted[i] is whether it
  * spun for wait i (which took waits[i] ns: a hit if that is within the
  * budget; flags[i] & 2: the spin was crowded off its CPU); returns whether
  * it would spin next. */
-int bridge_test_spin(uint64_t budget_ns, const uint64_t *waits, const int *flags, uint32_t n,
-                     int *wanted);
+int bridge_test_spin(uint64_t budget_ns, int any_rate, const uint64_t *waits, const int *flags,
+                     uint32_t n, int *wanted);
 
 /* Implemented in Python (cffi extern "Python+C"): say hello again and call
  * bridge_attach.  Returns 0 or -errno. */
@@ -239,5 +243,10 @@ enum {
     BRIDGE_OP_LSEEK = 46,
     BRIDGE_OP_COPY_FILE_RANGE = 47,
 };
+
+/* The calling thread's scheduler slice request (native/sched_slice.c): 0 or
+ * -errno; and the slice it has now, in ns (0 when unknown). */
+int servers_short_slice(uint64_t ns);
+uint64_t servers_slice(void);
 
 #endif

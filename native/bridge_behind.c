@@ -153,6 +153,14 @@ static void keep_front(void)
 
 uint64_t behind_oldest(void) { return g_wb.count > 0 ? fifo_at(0)->seq : 0; }
 
+unsigned behind_before(uint64_t seq)
+{
+    unsigned n = 0;
+    while (n < g_wb.count && fifo_at(n)->seq < seq)
+        n++;
+    return n;
+}
+
 int link_take_behind(uint64_t seq, int status, const msgpack_object *result)
 {
     if (g_wb.count == 0 || fifo_at(0)->seq != seq)

@@ -228,10 +228,17 @@ struct spin_policy {
     uint32_t miss_rate; /* of 256; 0: every recent spin hit (a fresh policy) */
     uint32_t backoff;   /* waits left without a spin after a crowded one */
     uint32_t skipped;   /* waits without a spin since the last probe */
+    int any_rate;       /* spin whatever the hit rate (only crowding stops it) */
 };
 /* read(2) of the O_NONBLOCK /dev/fuse fd that waits for a request: spins
  * first when `p` says so, then polls; read's result and errno. */
 BRIDGE_INTERNAL ssize_t spin_read(int fd, void *buf, size_t len, struct spin_policy *p);
+/* The policy itself: whether to spin for this wait, and what the wait did. */
+BRIDGE_INTERNAL int spin_wanted(struct spin_policy *p);
+BRIDGE_INTERNAL void spin_noted(struct spin_policy *p, int spun, int hit, int crowded);
+/* A wait for a reply in `ring`: spins (ring_spin_wait) when `p` says so; 1
+ * when a message came while it spun, 0 when the caller should park. */
+BRIDGE_INTERNAL int spin_ring(ring_t *ring, struct spin_policy *p);
 
 /* -- bridge_link.c ------------------------------------------------------------ */
 
@@ -278,6 +285,9 @@ BRIDGE_INTERNAL int behind_take_error(uint64_t ino);
 BRIDGE_INTERNAL int link_take_behind(uint64_t seq, int status, const msgpack_object *result);
 /* The seq of the oldest early-answered write, 0 when none. */
 BRIDGE_INTERNAL uint64_t behind_oldest(void);
+/* How many early-answered writes, still unanswered, were sent before `seq`:
+ * their replies come first. */
+BRIDGE_INTERNAL unsigned behind_before(uint64_t seq);
 /* The "ack" a request of sequence `seq` carries: below every unanswered write. */
 BRIDGE_INTERNAL uint64_t link_ack(uint64_t seq);
 /* Around a detach and the next hello (see bridge_behind.c). */

@@ -7,8 +7,12 @@
  * Theory of operation: link_call sends the request that bridge_wire.c left
  * in g_bridge.sbuf (and, for a split request, the raw tail after it, both
  * copied straight into the ring) and waits for the reply with the same
- * sequence number: it spins up to spin_ns (the shard's usual service time),
- * then parks on the reply eventfd, polled together with the socket.  One
+ * sequence number: it spins up to spin_ns (the shard's usual service time)
+ * unless recent spins were crowded off their CPU (spin_ring), then parks on
+ * the reply eventfd, polled together with the socket; when
+ * replies to writes answered early come first, it does not spin and parks
+ * until the shard has pushed them all and the one it waits for
+ * (ring_prepare_park_until), so it wakes once, not once a reply.  One
  * request is waited for at a time (the rings are single-producer,
  * single-consumer, and one loop thread at a time holds the link: see
  * "Threads" below); the only others in flight are writes answered early
@@ -305,8 +309,13 @@ int link_push_bytes(const uint8_t *msg, uint32_t len) { return push_request(msg,
  * that come before it (link_take_behind).  0: decoded (*status holds 0 with
  * *result, or a positive errno); -EPIPE: connection lost; -ETIMEDOUT: told
  * to stop and the shard did not answer within the grace period. */
+/* The reply wait's spin policy (bridge_spin.c): crowding alone stops it.
+ * Only the thread holding the link lock uses it. */
+static struct spin_policy g_reply_spin = {.any_rate = 1};
+
 static int wait_reply(uint64_t want, int *status, const msgpack_object **result)
 {
+    g_reply_spin.budget_ns = g_bridge.spin_ns;
     for (;;) {
         int n = ring_pop(&g_bridge.rep, g_bridge.reply, g_bridge.reply_cap);
         if (n >= 0) {
@@ -330,9 +339,13 @@ static int wait_reply(uint64_t want, int *status, const msgpack_object **result)
         }
         if (n != -EAGAIN)
             return -EPIPE; /* a corrupt ring: start over on a fresh pair */
-        if (g_bridge.spin_ns > 0 && ring_spin_wait(&g_bridge.rep, g_bridge.spin_ns))
+        /* Behind replies to writes answered early, each costing the shard tens
+         * of microseconds: no spin, and one wake-up, when the wanted reply is
+         * pushed after them (the shard pushes in order). */
+        unsigned ahead = behind_before(want);
+        if (ahead == 0 && spin_ring(&g_bridge.rep, &g_reply_spin))
             continue;
-        if (ring_prepare_park(&g_bridge.rep))
+        if (ring_prepare_park_until(&g_bridge.rep, ahead + 1))
             continue;
         struct pollfd p[2] = {
             {.fd = g_bridge.rep_evfd, .events = POLLIN},

@@ -28,10 +28,18 @@
  *     wanted that CPU) makes it park for the next SPIN_BACKOFF waits
  *     (counting involuntary context switches instead was too eager: a
  *     kernel worker's moment on the CPU counts as one).
- * The ring waits (the shards' request waits, the bridge's reply wait) spin
- * for their budget on every wait, as before: this policy there made a
- * stream of small-file creates and unlinks 30-60% slower on this host, for
- * reasons not yet found (bench/RESULTS.md).  At most one loop thread spins
+ * The bridge's wait for a shard reply (bridge_link.c) follows the crowding
+ * half of the policy only (spin_ring, a policy with any_rate set): it spins
+ * for its budget on every wait, whatever the hit rate, but not for
+ * SPIN_BACKOFF waits after a crowded spin.  The hit-rate half made a stream
+ * of small-file creates and unlinks on an idle host 30-60% slower (an earlier
+ * trial, bench/RESULTS.md): there a spin that misses still keeps the vCPU
+ * from halting before the reply comes.  In a build the compilers hold both
+ * CPUs, the servers' short slices (native/sched_slice.c) let a compiler take
+ * the spinning thread's CPU within 100 us, and the spin is crowded: the
+ * waits that follow park at once, and give that CPU to the build.
+ * The shards' request waits spin on every wait.
+ * At most one loop thread spins
  * at a time (g_spinner), so extra loop threads never burn more than one CPU
  * between them.  Errors are read's: EINTR (a signal: the loop checks
  * whether it is over) and ENODEV (the kernel ended the session) reach the
@@ -39,7 +47,8 @@
  * the wait at once (wait_readable).
  *
  * Counted: BRIDGE_STAT_SPIN_HITS (a request that came while spinning) and
- * BRIDGE_STAT_SPIN_PARKS (a wait that parked).
+ * BRIDGE_STAT_SPIN_PARKS (a wait that parked); for reply waits,
+ * BRIDGE_STAT_REPLY_SPIN_HITS, _MISSES (it spun) and _SKIPS (it did not).
  */
 #include "bridge_internal.h"
 
@@ -56,11 +65,11 @@
 static int g_spinner; /* a loop thread is spinning (atomic) */
 
 /* Whether to spin for this wait (a probe counts as one). */
-static int spin_wanted(struct spin_policy *p)
+int spin_wanted(struct spin_policy *p)
 {
     if (p->budget_ns == 0 || p->backoff > 0)
         return 0;
-    if (256u - p->miss_rate >= SPIN_MIN_RATE)
+    if (p->any_rate || 256u - p->miss_rate >= SPIN_MIN_RATE)
         return 1;
     if (++p->skipped < SPIN_PROBE)
         return 0;
@@ -70,7 +79,7 @@ static int spin_wanted(struct spin_policy *p)
 
 /* Record a wait: whether it spun, whether the request came while it spun,
  * and whether the spin was crowded off its CPU. */
-static void spin_noted(struct spin_policy *p, int spun, int hit, int crowded)
+void spin_noted(struct spin_policy *p, int spun, int hit, int crowded)
 {
     if (spun)
         p->miss_rate = (p->miss_rate * (SPIN_WEIGHT - 1) + (hit ? 0u : 256u)) / SPIN_WEIGHT;
@@ -147,10 +156,25 @@ ssize_t spin_read(int fd, void *buf, size_t len, struct spin_policy *p)
     return n;
 }
 
-int bridge_test_spin(uint64_t budget_ns, const uint64_t *waits, const int *flags, uint32_t n,
-                     int *wanted)
+int spin_ring(ring_t *ring, struct spin_policy *p)
 {
-    struct spin_policy p = {.budget_ns = budget_ns};
+    if (!spin_wanted(p)) {
+        spin_noted(p, 0, 0, 0);
+        bridge_count(BRIDGE_STAT_REPLY_SPIN_SKIPS);
+        return 0;
+    }
+    uint64_t start = now_ns(CLOCK_MONOTONIC), cpu = now_ns(CLOCK_THREAD_CPUTIME_ID);
+    int hit = ring_spin_wait(ring, p->budget_ns);
+    int crowded = 2 * (now_ns(CLOCK_THREAD_CPUTIME_ID) - cpu) < now_ns(CLOCK_MONOTONIC) - start;
+    spin_noted(p, 1, hit, crowded);
+    bridge_count(hit ? BRIDGE_STAT_REPLY_SPIN_HITS : BRIDGE_STAT_REPLY_SPIN_MISSES);
+    return hit;
+}
+
+int bridge_test_spin(uint64_t budget_ns, int any_rate, const uint64_t *waits, const int *flags,
+                     uint32_t n, int *wanted)
+{
+    struct spin_policy p = {.budget_ns = budget_ns, .any_rate = any_rate};
     for (uint32_t i = 0; i < n; i++) {
         wanted[i] = spin_wanted(&p);
         spin_noted(&p, wanted[i], wanted[i] && waits[i] <= budget_ns, (flags[i] & 2) != 0);

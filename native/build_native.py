@@ -76,6 +76,7 @@ SOURCES = (
     "bridge_session.c",
     "bridge_loop.c",
     "bridge_uring.c",
+    "sched_slice.c",
 )
 HEADERS = ("ring.h", "bridge.h", "bridge_internal.h")
 
@@ -104,6 +105,7 @@ ffibuilder.cdef(
     uint64_t ring_consumed(const ring_t *r);
     int ring_spin_wait(ring_t *r, uint64_t spin_ns);
     int ring_prepare_park(ring_t *r);
+    int ring_prepare_park_until(ring_t *r, uint32_t messages);
     void ring_unpark(ring_t *r);
     int ring_is_parked(const ring_t *r);
     int ring_notify(ring_t *r, int eventfd);
@@ -134,6 +136,9 @@ ffibuilder.cdef(
     #define BRIDGE_STAT_HELD_ENTRIES ...
     #define BRIDGE_STAT_PRUNES ...
     #define BRIDGE_STAT_CONTENT_READS ...
+    #define BRIDGE_STAT_REPLY_SPIN_HITS ...
+    #define BRIDGE_STAT_REPLY_SPIN_MISSES ...
+    #define BRIDGE_STAT_REPLY_SPIN_SKIPS ...
     #define BRIDGE_RECONNECT_SECONDS ...
     #define BRIDGE_MAX_IO ...
     #define BRIDGE_LOOP_THREADS ...
@@ -169,6 +174,8 @@ ffibuilder.cdef(
     int bridge_set_counter_memory(void *mem, uint64_t len);
     void bridge_reset_counters(void);
     int bridge_errno_for(const char *code);
+    int servers_short_slice(uint64_t ns);
+    uint64_t servers_slice(void);
     int bridge_test_encode(int which, uint8_t *out, uint32_t cap, char *op_out,
                            uint32_t op_cap);
     int bridge_test_decode_attr(const uint8_t *msg, uint32_t len, int64_t *out);
@@ -178,8 +185,8 @@ ffibuilder.cdef(
     int bridge_test_attr_cache(uint64_t ino, int event);
     int bridge_test_meta_map(const uint64_t *ops, uint32_t n, uint64_t probe);
     uint64_t bridge_test_cookie(const char *name, size_t len);
-    int bridge_test_spin(uint64_t budget_ns, const uint64_t *waits, const int *flags, uint32_t n,
-                         int *wanted);
+    int bridge_test_spin(uint64_t budget_ns, int any_rate, const uint64_t *waits,
+                         const int *flags, uint32_t n, int *wanted);
 
     extern "Python+C" int bridge_reconnect_cb(void);
     """

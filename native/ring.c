@@ -23,15 +23,20 @@ struct ring_shared {
     uint32_t header_size;
     uint64_t capacity;
     uint8_t pad0[RING_LINE - 24];
-    /* Written only by the producer. */
+    /* Written only by the producer: its position, and messages pushed. */
     alignas(RING_LINE) _Atomic uint64_t tail;
-    uint8_t pad1[RING_LINE - 8];
-    /* Written only by the consumer. */
+    _Atomic uint64_t pushed;
+    uint8_t pad1[RING_LINE - 16];
+    /* Written only by the consumer: its position, and messages taken. */
     alignas(RING_LINE) _Atomic uint64_t head;
-    uint8_t pad2[RING_LINE - 8];
-    /* Written by the consumer, read by the producer after every push. */
+    _Atomic uint64_t taken;
+    uint8_t pad2[RING_LINE - 16];
+    /* Written by the consumer, read by the producer after every push: whether
+     * it sleeps, and the count of messages pushed at which to wake it. */
     alignas(RING_LINE) _Atomic uint32_t parked;
-    uint8_t pad3[RING_LINE - 4];
+    uint32_t pad3a;
+    _Atomic uint64_t wake_at;
+    uint8_t pad3[RING_LINE - 16];
 };
 
 _Static_assert(sizeof(struct ring_shared) == RING_HEADER_SIZE, "header size");
@@ -94,7 +99,10 @@ int ring_init(void *mem, uint64_t mem_len, uint64_t capacity)
     s->capacity = capacity;
     atomic_init(&s->tail, 0);
     atomic_init(&s->head, 0);
+    atomic_init(&s->pushed, 0);
+    atomic_init(&s->taken, 0);
     atomic_init(&s->parked, 0);
+    atomic_init(&s->wake_at, 0);
     /* Magic last, so a half-initialised region is never taken for a ring. */
     atomic_thread_fence(memory_order_release);
     s->magic = RING_MAGIC;
@@ -201,6 +209,8 @@ int ring_push2(ring_t *r, const uint8_t *first, uint32_t alen, const uint8_t *bo
     if (blen)
         memcpy(r->data + off + FRAME_HEADER + alen, body, blen);
     atomic_store_explicit(&s->tail, tail + frame, memory_order_release);
+    atomic_store_explicit(&s->pushed, atomic_load_explicit(&s->pushed, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
     return 0;
 }
 
@@ -265,7 +275,10 @@ int ring_consume(ring_t *r)
         return -EINVAL;
     /* Release: the caller's reads of the payload happen before the producer
      * may reuse the space. */
-    atomic_store_explicit(&r->shared->head, r->peeked_end, memory_order_release);
+    struct ring_shared *s = r->shared;
+    atomic_store_explicit(&s->taken, atomic_load_explicit(&s->taken, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
+    atomic_store_explicit(&s->head, r->peeked_end, memory_order_release);
     r->peeked_end = 0;
     return 0;
 }
@@ -317,18 +330,26 @@ int ring_spin_wait(ring_t *r, uint64_t spin_ns)
 
 /*
  * Lost-wakeup freedom (Dekker): the consumer stores parked=1 then reads tail;
- * the producer stores tail then reads parked.  With a seq_cst fence between
+ * the producer stores tail then reads parked.  (A consumer parks only on an
+ * empty ring, so "messages pushed >= wake_at" becomes true only through a
+ * push that follows the park, which then sees the flag and wake_at.)  With a seq_cst fence between
  * each side's store and load, at least one side sees the other's store: the
  * consumer finds the message, or the producer finds the flag and writes the
  * eventfd.  Without the fences both loads may be satisfied before the stores
  * are visible (store buffering), and the consumer would sleep on a message.
  */
-int ring_prepare_park(ring_t *r)
+int ring_prepare_park(ring_t *r) { return ring_prepare_park_until(r, 1); }
+
+int ring_prepare_park_until(ring_t *r, uint32_t messages)
 {
-    atomic_store_explicit(&r->shared->parked, 1, memory_order_relaxed);
+    struct ring_shared *s = r->shared;
+    uint64_t taken = atomic_load_explicit(&s->taken, memory_order_relaxed);
+    atomic_store_explicit(&s->wake_at, taken + (messages ? messages : 1), memory_order_relaxed);
+    /* Release: a producer that sees the flag sees this park's wake_at too. */
+    atomic_store_explicit(&s->parked, 1, memory_order_release);
     atomic_thread_fence(memory_order_seq_cst);
     if (has_data(r)) {
-        atomic_store_explicit(&r->shared->parked, 0, memory_order_relaxed);
+        atomic_store_explicit(&s->parked, 0, memory_order_relaxed);
         return 1;
     }
     return 0;
@@ -347,7 +368,15 @@ int ring_is_parked(const ring_t *r)
 int ring_notify(ring_t *r, int eventfd)
 {
     atomic_thread_fence(memory_order_seq_cst);
-    if (atomic_load_explicit(&r->shared->parked, memory_order_relaxed) == 0)
+    struct ring_shared *s = r->shared;
+    if (atomic_load_explicit(&s->parked, memory_order_acquire) == 0)
+        return 0;
+    /* A consumer that asked to sleep through some messages (it knows the one
+     * it waits for comes after them) is not woken for those.  wake_at is the
+     * consumer's word: a wrong one only delays the consumer itself, whose
+     * waits are bounded by its own timeout. */
+    if (atomic_load_explicit(&s->pushed, memory_order_relaxed) <
+        atomic_load_explicit(&s->wake_at, memory_order_relaxed))
         return 0;
     uint64_t one = 1;
     for (;;) {

@@ -3,8 +3,10 @@
  * memory (a memfd that two processes map).
  *
  * Region layout: a RING_HEADER_SIZE header (magic, version, capacity, and
- * the producer's tail, the consumer's head and the consumer's parked flag,
- * each on its own cache-line pair), then `capacity` data bytes.  Positions
+ * the producer's tail and count of messages pushed, the consumer's head and
+ * count of messages taken, and the consumer's parked flag with the count to
+ * wake it at, each group on its own cache-line pair), then `capacity` data
+ * bytes.  Positions
  * are monotonic 64-bit byte counters; a position's offset in the data area
  * is `pos & (capacity - 1)`.
  *
@@ -29,7 +31,7 @@
 #include <stdint.h>
 
 #define RING_MAGIC 0x31474e4952534c53ULL /* "SLSRING1" little-endian */
-#define RING_VERSION 1
+#define RING_VERSION 2 /* 2: message counts and wake_at (ring_prepare_park_until) */
 #define RING_HEADER_SIZE 512
 #define RING_MIN_CAPACITY 64
 #define RING_MAX_CAPACITY 1073741824 /* 1 GiB: lengths stay well inside int */
@@ -131,13 +133,21 @@ int ring_spin_wait(ring_t *r, uint64_t spin_ns);
  * the flag).  1: data arrived meanwhile; the flag was cleared, do not block. */
 int ring_prepare_park(ring_t *r);
 
+/* Consumer: ring_prepare_park, asking to sleep until `messages` more have
+ * been pushed (counted from those taken so far; 0 counts as 1), for a
+ * consumer that knows the message it waits for comes after others: the
+ * producer does not wake it for those.  It must take every message there
+ * is before parking again (1 means data arrived, as above). */
+int ring_prepare_park_until(ring_t *r, uint32_t messages);
+
 /* Consumer, after waking (or giving up on) the eventfd. */
 void ring_unpark(ring_t *r);
 
 int ring_is_parked(const ring_t *r);
 
-/* Producer, after ring_push: write the eventfd if the consumer is parked.
- * 1 if it wrote, 0 if the consumer was not parked, -errno if write failed. */
+/* Producer, after ring_push: write the eventfd if the consumer is parked
+ * and the messages pushed reach the count it parked until.  1 if it wrote,
+ * 0 if not, -errno if write failed. */
 int ring_notify(ring_t *r, int eventfd);
 
 /* Reset the eventfd counter.  Returns the counter (0 if it was already 0)

@@ -173,7 +173,7 @@ from slates.node.protocol import (
     shard_of,
     unpack,
 )
-from slates.node.ring import MAX_SPIN_NS, cached_spin_ns
+from slates.node.ring import MAX_SPIN_NS, ask_short_slice, cached_spin_ns
 from slates.node.runtime import Runtime
 
 # The bridge serves one kernel request at a time, so while it waits for the
@@ -302,6 +302,9 @@ STATS: dict[int, str] = {
     lib.BRIDGE_STAT_HELD_ENTRIES: "held_entries",
     lib.BRIDGE_STAT_PRUNES: "prunes",
     lib.BRIDGE_STAT_CONTENT_READS: "content_reads",
+    lib.BRIDGE_STAT_REPLY_SPIN_HITS: "reply_spin_hits",
+    lib.BRIDGE_STAT_REPLY_SPIN_MISSES: "reply_spin_misses",
+    lib.BRIDGE_STAT_REPLY_SPIN_SKIPS: "reply_spin_skips",
 }
 
 
@@ -723,6 +726,12 @@ def run_bridge(
     """
     global _ACTIVE
     where = check_mountpoint(mountpoint)
+    # Here, not at start: a spare's priority is raised (slates.node.mounts.resume)
+    # before its job, and that resets the slice.  Before the loop's threads: they
+    # inherit it.
+    refused = ask_short_slice()
+    if refused is not None:
+        print(f"slates-bridge: no short scheduler slice ({refused})", file=sys.stderr)
     bridge = Bridge(Runtime(runtime_dir), volume, token=token)
     bridge.configure(spin_ns)
     bridge.use_threads(loop_threads())

@@ -39,6 +39,11 @@ to [MIN_SPIN_NS, MAX_SPIN_NS]; a missing, malformed, oversized, non-regular
 or other-boot file means calibrating again, and a runtime directory we
 cannot write only means the next process calibrates too.
 
+A server's wake-up also waits for a CPU: on a host whose CPUs run compilers,
+the fair scheduler let a woken shard wait out the compiler's slice (1.4 ms
+here).  So shards and bridges ask for the shortest slice (`ask_short_slice`,
+native/sched_slice.c): woken, they preempt at once, with no more CPU share.
+
 Callers: the anchor creates rings and passes their fds; daemon shards
 consume requests with `receive_request` (trio; the message is decoded before
 the next is taken, so it is not copied out of the ring's buffer, and a split
@@ -96,6 +101,8 @@ __all__ = [
     "calibrate_spin",
     "default_spin_ns",
     "parse_spin_cache",
+    "SERVER_SLICE_NS",
+    "ask_short_slice",
 ]
 
 DEFAULT_CAPACITY = 1 << 20
@@ -109,6 +116,9 @@ SPIN_CACHE_NAME = "spin-ns"  # in the runtime directory; see cached_spin_ns
 _SPIN_CACHE_VERSION = "v1"
 _SPIN_CACHE_MOST = 128  # bytes read: the file is one short line
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
+# The scheduler slice a server (shard, bridge) asks for: the fair scheduler's
+# least, so a request that wakes it on a CPU a compiler holds is served now.
+SERVER_SLICE_NS = 100_000
 
 _alloc_uncleared = ffi.new_allocator(should_clear_after_alloc=False)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -473,6 +483,14 @@ def calibrate_spin(rounds: int = 200) -> int:
         os.close(pong)
     wake = sorted(samples)[len(samples) // 2] // 2
     return min(MAX_SPIN_NS, max(MIN_SPIN_NS, wake))
+
+
+def ask_short_slice() -> str | None:
+    """Ask the scheduler for SERVER_SLICE_NS slices for this thread and the threads it
+    starts later (native/sched_slice.c says why): None when granted, else why not,
+    for the caller to log.  Call it on the main thread before starting threads."""
+    rc = int(lib.servers_short_slice(SERVER_SLICE_NS))
+    return None if rc == 0 else os.strerror(-rc)
 
 
 @functools.cache

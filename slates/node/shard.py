@@ -126,7 +126,7 @@ from slates.node.protocol import (
     unpack_parts,
     unpack_request,
 )
-from slates.node.ring import Parts, RingPair, cached_spin_ns
+from slates.node.ring import Parts, RingPair, ask_short_slice, cached_spin_ns
 from slates.node.runtime import Runtime
 from slates.node.service import READ_ONLY_OPS, ShardService
 
@@ -1191,6 +1191,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     _die_with_parent()
+    refused = ask_short_slice()  # before trio starts its threads: they inherit it
+    if refused is not None:
+        _log(f"could not ask for a short scheduler slice ({refused}): requests may wait for a CPU")
     if not keep_heap():  # each 1 MiB request's buffers would fault fresh pages in
         _log("could not set malloc's thresholds: large requests fault fresh heap pages")
     key = None
