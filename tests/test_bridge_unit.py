@@ -897,7 +897,9 @@ WARM_PASS = (
 
 # How the bridge waited for the requests counted beside them (bridge_spin.c),
 # not requests of their own.
-WAIT_COUNTERS = frozenset({"spin_hits", "spin_parks"})
+WAIT_COUNTERS = frozenset(
+    {"spin_hits", "spin_parks", "reply_spin_hits", "reply_spin_misses", "reply_spin_skips"}
+)
 
 
 def warm_passes(mount: MountedBridge, passes: int = 3) -> list[dict[str, int]]:
