@@ -330,13 +330,14 @@ int ring_spin_wait(ring_t *r, uint64_t spin_ns)
 
 /*
  * Lost-wakeup freedom (Dekker): the consumer stores parked=1 then reads tail;
- * the producer stores tail then reads parked.  (A consumer parks only on an
- * empty ring, so "messages pushed >= wake_at" becomes true only through a
- * push that follows the park, which then sees the flag and wake_at.)  With a seq_cst fence between
+ * the producer stores tail then reads parked.  With a seq_cst fence between
  * each side's store and load, at least one side sees the other's store: the
  * consumer finds the message, or the producer finds the flag and writes the
  * eventfd.  Without the fences both loads may be satisfied before the stores
  * are visible (store buffering), and the consumer would sleep on a message.
+ * A consumer parks only on an empty ring, so "pushed >= wake_at" becomes true
+ * only through a push after the park, which sees the flag and (stored before
+ * it, released with it) wake_at.
  */
 int ring_prepare_park(ring_t *r) { return ring_prepare_park_until(r, 1); }
 
