@@ -89,6 +89,13 @@ void spin_noted(struct spin_policy *p, int spun, int hit, int crowded)
         p->backoff--;
 }
 
+/* Whether a spin that began at monotonic `start`, with the thread's CPU
+ * clock at `cpu`, got less than half of its time on the CPU. */
+static int crowded_since(uint64_t start, uint64_t cpu)
+{
+    return 2 * (now_ns(CLOCK_THREAD_CPUTIME_ID) - cpu) < now_ns(CLOCK_MONOTONIC) - start;
+}
+
 /* Wait for the fd to be readable, or for a stopping signal: 0, or -1 with
  * errno EINTR.  A signal that came while the thread spun has already run its
  * handler (g_bridge.stop) and would interrupt nothing, so the stop signals
@@ -139,7 +146,7 @@ ssize_t spin_read(int fd, void *buf, size_t len, struct spin_policy *p)
         } while (!hit && !g_bridge.stop && now < deadline);
         __atomic_store_n(&g_spinner, 0, __ATOMIC_RELEASE);
         spun = 1;
-        crowded = 2 * (now_ns(CLOCK_THREAD_CPUTIME_ID) - cpu) < now - start;
+        crowded = crowded_since(start, cpu);
     }
     if (!hit) {
         bridge_count(BRIDGE_STAT_SPIN_PARKS);
@@ -165,7 +172,7 @@ int spin_ring(ring_t *ring, struct spin_policy *p)
     }
     uint64_t start = now_ns(CLOCK_MONOTONIC), cpu = now_ns(CLOCK_THREAD_CPUTIME_ID);
     int hit = ring_spin_wait(ring, p->budget_ns);
-    int crowded = 2 * (now_ns(CLOCK_THREAD_CPUTIME_ID) - cpu) < now_ns(CLOCK_MONOTONIC) - start;
+    int crowded = crowded_since(start, cpu);
     spin_noted(p, 1, hit, crowded);
     bridge_count(hit ? BRIDGE_STAT_REPLY_SPIN_HITS : BRIDGE_STAT_REPLY_SPIN_MISSES);
     return hit;

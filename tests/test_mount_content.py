@@ -25,7 +25,8 @@ from slates import Client
 from tests.anchor_fixture import Service, service
 from tests.test_mount import mounted
 from tests.test_mount_clean_reads import MODES, counters
-from tests.test_mount_writeback import eventually
+from tests.test_mount_uring import wait_for
+from tests.test_mount_writeback import SETTLE_SECONDS
 
 __all__ = ["service"]
 
@@ -85,7 +86,9 @@ def test_pieces_read_back_from_the_copy_and_follow_other_clients(
                 content = content[:10_000] + b"THEIRS" + content[10_100:]
                 assert os.pread(held.fileno(), 20, 9_998) == content[9_998:10_018]
             # A writeback kernel let the held file keep its size until the close.
-            eventually(lambda: (mnt / "obj.o").stat().st_size == len(content), "new size")
+            wait_for(
+                lambda: (mnt / "obj.o").stat().st_size == len(content), "new size", SETTLE_SECONDS
+            )
             assert (mnt / "obj.o").read_bytes() == content
             # ... and after a truncate by another client, pieces written here again.
             client.truncate(vid, "/obj.o", 1_000)

@@ -13,8 +13,6 @@ a write-through mount takes the shard's size from every reply.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from slates import Client
 from tests.anchor_fixture import Service, service
 from tests.test_mount import mounted
 from tests.test_mount_clean_reads import MODES, counters
+from tests.test_mount_uring import wait_for
 
 __all__ = ["service"]
 
@@ -33,14 +32,6 @@ pytestmark = pytest.mark.skipif(
 
 LONG = b"".join(b"line %04d\n" % i for i in range(600))
 SETTLE_SECONDS = 10.0  # how long a released file may keep its old size (a retry per 0.2 s)
-
-
-def eventually(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + SETTLE_SECONDS
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {SETTLE_SECONDS} s: {what}")
-        time.sleep(0.05)
 
 
 @MODES
@@ -83,7 +74,11 @@ def test_a_file_held_open_gets_the_new_size_once_it_is_closed(
                     assert os.fstat(held.fileno()).st_size == len(b"rotated\n")
                     assert held.read() == b"rotated\n"
                 # A writeback kernel keeps the held inode's size: no assertion on it.
-            eventually(lambda: (mnt / "log").stat().st_size == len(b"rotated\n"), "new size")
+            wait_for(
+                lambda: (mnt / "log").stat().st_size == len(b"rotated\n"),
+                "new size",
+                SETTLE_SECONDS,
+            )
             assert (mnt / "log").read_bytes() == b"rotated\n"
             # Writes through the mount after all that land where they should.
             with open(mnt / "log", "ab") as appending:

@@ -14,7 +14,6 @@ and killed.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import time
@@ -28,6 +27,7 @@ from slates.node.grants import RUN_BYTES, RUN_WRITES, SCATTER_COST, Grant, LinkG
 from slates.node.protocol import Hello, Request, pack, parse_request, unpack
 from tests.anchor_fixture import Service, service
 from tests.test_mount import mounted
+from tests.test_mount_content import seeded
 from tests.test_shard_recovery import Segments, call
 
 __all__ = ["service"]
@@ -116,9 +116,7 @@ def made(mount: Mount) -> int:
 
 
 def test_a_run_leaves_what_the_same_writes_one_by_one_leave() -> None:
-    seed = random.randrange(1 << 32)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
+    rng = seeded()
     single, runs = Mount(), Mount()
     ino = made(single)
     assert made(runs) == ino
@@ -197,9 +195,7 @@ def test_small_writes_queued_behind_a_paused_or_killed_shard_all_land(
     """dd writes 100-byte pieces through a mount while its shard is stopped now and
     then (SIGSTOP: the bridge answers eight early and they queue) or killed (SIGKILL:
     they are sent again to the new shard): every byte lands, and runs were taken."""
-    seed = random.randrange(1 << 32)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
+    rng = seeded()
     source = tmp_path / "source"
     data = rng.randbytes(300_000)
     source.write_bytes(data)
@@ -220,12 +216,12 @@ def test_small_writes_queued_behind_a_paused_or_killed_shard_all_land(
                         os.kill(pid, signal.SIGSTOP)
                         time.sleep(0.1)
                         os.kill(pid, signal.SIGCONT)
-                assert writer.wait(timeout=120) == 0, seed
+                assert writer.wait(timeout=120) == 0  # seeded() printed the seed
             finally:
                 if writer.poll() is None:
                     writer.kill()
-            assert (mnt / "out").read_bytes() == data, seed
-            assert client.read(created["id"], "/out") == data, seed
+            assert (mnt / "out").read_bytes() == data
+            assert client.read(created["id"], "/out") == data
         if not crash:  # a killed shard's count starts again at its restart
             shard = client.status()["shards"][index]
-            assert shard["write_runs"]["runs"] > 0, (seed, shard["write_runs"])
+            assert shard["write_runs"]["runs"] > 0, shard["write_runs"]

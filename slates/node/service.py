@@ -159,6 +159,15 @@ class ShardService(ShardState):
 
     # -- requests -------------------------------------------------------------
 
+    def _begin(self, client: str, principal: Principal, seq: int) -> None:
+        """Before running a request (or a job's step): no events or applied records
+        yet, and whose request it is, for the records and saved replies it makes."""
+        self._events = []
+        self.applied = []
+        self._client = client
+        self._principal = principal
+        self._seq = seq
+
     def handle(
         self, client: str, request: Request, now_ns: int, principal: Principal = OPERATOR
     ) -> tuple[dict[str, Any] | Job, list[Event]]:
@@ -168,11 +177,7 @@ class ShardService(ShardState):
         A client id belongs to the principal that first used it: saved replies
         (grant tokens among them) are never answered to another principal.
         """
-        self._events = []
-        self.applied = []
-        self._client = client
-        self._principal = principal
-        self._seq = request.seq
+        self._begin(client, principal, request.seq)
         bound = self.client_principals.get(client)
         if bound is not None and bound != principal.name:
             denied = AccessDenied("that client id belongs to another principal", client=client)
@@ -227,11 +232,7 @@ class ShardService(ShardState):
         saved replies' bound, a refusal): the caller then runs them one by one."""
         first = requests[0]
         args = first.args
-        self._events = []
-        self.applied = []
-        self._client = client
-        self._principal = principal
-        self._seq = first.seq  # the run's record is the first request's
+        self._begin(client, principal, first.seq)  # the run's record is the first request's
         acked, saved = self.acked.get(client, 0), self.results.get(client, {})
         if self.client_principals.get(client) != principal.name:
             return None
@@ -273,11 +274,7 @@ class ShardService(ShardState):
     ) -> tuple[dict[str, Any] | Job, list[Event]]:
         """Advance a job with what its I/O gave; returns (its reply, or the job still
         running, and the events to commit now).  The shard calls it between requests."""
-        self._events = []
-        self.applied = []
-        self._client = job.client
-        self._principal = job.principal
-        self._seq = job.request.seq
+        self._begin(job.client, job.principal, job.request.seq)
         return self._resume(job, outcome), self._take_events()
 
     def abandon(self, job: Job) -> list[Event]:

@@ -207,6 +207,11 @@ def _decoded(message: bytes | memoryview | Parts) -> Request:
     return parse_request(unpack_request(message))
 
 
+def _principal(hello: Hello) -> Principal:
+    """Whom a connection's requests run as: the agent its hello named, else the operator."""
+    return OPERATOR if not hello.principal else Principal(hello.principal)
+
+
 def _log(message: str) -> None:
     print(f"slates shard[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
 
@@ -605,7 +610,7 @@ class Shard:
         """Run one request and commit its events.  One refused for room that stale page
         copies hold runs again once after a checkpoint (which frees them), if what it
         did before its refusal is nothing, or what its second run finds done."""
-        principal = OPERATOR if not hello.principal else Principal(hello.principal)
+        principal = _principal(hello)
         reply, events = self.service.handle(hello.client, request, time.time_ns(), principal)
         if self._room_after_checkpoint(reply):
             kept = self.service.withdraw_refusal(
@@ -676,7 +681,7 @@ class Shard:
         ended, _covered = link.receive(run[0].op, run[0].args)
         self._release_grant(ended)
         charged = volume.charged_bytes
-        principal = OPERATOR if not hello.principal else Principal(hello.principal)
+        principal = _principal(hello)
         outcome = self.service.handle_write_run(hello.client, run, time.time_ns(), principal)
         if outcome is None:  # as it was: the grant held again, the writes one by one
             self._hold(link, grant.volume, volume, grant.ino, grant.end, grant.left,
